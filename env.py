@@ -1,0 +1,368 @@
+"""
+The visual maze environment: a faithful, dependency-light re-implementation of VisGym's `maze_2d`.
+
+A maze is a square grid of cells, each either a wall or a path. Rooms sit at odd (row, col)
+coordinates, the outer ring is wall, and the cells between two neighbouring rooms are carved
+open by Wilson's algorithm, which yields a *perfect* maze (the rooms form a spanning tree, so
+there is exactly one path between any two rooms), drawn uniformly among all perfect mazes.
+
+The agent (a blue circle) starts in one interior corner and must reach the red target in the
+opposite corner, then say stop. Each turn the model sees a rendered image plus a short text and
+replies with one action string, e.g. `<think>...</think><answer>('move', 0)</answer>`.
+
+    python env.py --difficulty small --seed 0 --out maze_episode.gif
+"""
+
+import random
+import re
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+
+from PIL import Image, ImageDraw
+
+# -----------------------------------------------------------------------------
+# constants shared with the rest of the project
+
+# grid side length, outer walls included; VisGym defines easy (9) and hard (11), the two smaller
+# ones are ours, for tiny models and quick experiments
+DIFFICULTY_SIZES = {"tiny": 5, "small": 7, "easy": 9, "hard": 11}
+
+MOVE_NAMES = {0: "right", 1: "up", 2: "left", 3: "down"}
+MOVE_DELTAS = {0: (0, 1), 1: (-1, 0), 2: (0, -1), 3: (1, 0)}  # (d_row, d_col); row grows downwards
+# the tokenizer gives each of these strings its own token, so their spelling must never change
+ACTION_STRINGS = [f"('move', {d})" for d in MOVE_NAMES] + ["('stop', 'stop')"]
+STOP_ACTION = ACTION_STRINGS[-1]
+
+CELL_PX_VISGYM = 25  # VisGym's cell size
+CELL_PX_TINY = 32  # vision patch 16 x spatial merge 2: one cell is exactly one merged visual token
+WALL_RGB = (169, 169, 169)
+PATH_RGB = (255, 255, 255)
+GOAL_RGB = (255, 0, 0)
+AGENT_RGB = (0, 0, 255)
+AGENT_RADIUS_FRACTION = 0.25  # VisGym: radius 6.25 px in a 25 px cell
+
+# a model reply longer than this is rejected outright, before any parsing work is done
+MAX_ACTION_CHARS = 4096
+
+INSTRUCTIONS = (
+    "You are in a maze shown as an image: gray cells are walls, white cells are paths. "
+    "You are the blue circle; your goal is the red square. "
+    "Each turn, reply with exactly one action: <answer>('move', d)</answer> "
+    "with d 0=right, 1=up, 2=left, 3=down, or <answer>('stop', 'stop')</answer> "
+    "once you are on the red square. You succeed only if you stop on it."
+)
+
+# -----------------------------------------------------------------------------
+# the maze itself
+
+@dataclass(frozen=True)
+class Maze:
+    walls: tuple  # tuple of rows, each a tuple of bool, True = wall; tuples keep Maze hashable
+    start: tuple  # (row, col) of the agent's first cell
+    goal: tuple  # (row, col) of the red target
+    seed: int  # the seed it was generated from (not part of the layout)
+
+    @property
+    def size(self) -> int:
+        return len(self.walls)
+
+    def is_open(self, cell) -> bool:
+        r, c = cell
+        return 0 <= r < self.size and 0 <= c < self.size and not self.walls[r][c]
+
+    def layout_key(self) -> bytes:
+        # what the agent sees; two seeds may well produce the same layout, especially when small
+        cells = bytes(wall for row in self.walls for wall in row)
+        return cells + bytes([*self.start, *self.goal])
+
+
+def generate_maze(size: int, seed: int) -> Maze:
+    """A perfect maze of `size` x `size` cells, carved by Wilson's algorithm; deterministic in `seed`."""
+    if not isinstance(size, int) or size < 5 or size % 2 == 0:
+        raise ValueError(f"maze size must be an odd integer >= 5 (walls included), got {size!r}")
+    rng = random.Random(seed)
+    walls = [[True] * size for _ in range(size)]
+    rooms = [(r, c) for r in range(1, size - 1, 2) for c in range(1, size - 1, 2)]
+
+    def neighbour_rooms(room):
+        r, c = room
+        return [(r + 2 * dr, c + 2 * dc) for dr, dc in MOVE_DELTAS.values()
+                if 1 <= r + 2 * dr <= size - 2 and 1 <= c + 2 * dc <= size - 2]
+
+    # Wilson's algorithm: grow a tree from one room. From each room not yet in the tree, take a
+    # random walk until it hits the tree, then add the walk's loop-erased path to the tree.
+    # Remembering only the *last* exit from each room erases the loops for free. The result is a
+    # uniformly random spanning tree, unlike depth-first carving, which favours long corridors.
+    first = rng.choice(rooms)
+    in_tree = {first}
+    walls[first[0]][first[1]] = False
+    for origin in rooms:
+        last_exit = {}
+        room = origin
+        while room not in in_tree:
+            last_exit[room] = rng.choice(neighbour_rooms(room))
+            room = last_exit[room]
+        room = origin
+        while room not in in_tree:
+            nxt = last_exit[room]
+            walls[room[0]][room[1]] = False
+            walls[(room[0] + nxt[0]) // 2][(room[1] + nxt[1]) // 2] = False  # the wall in between
+            in_tree.add(room)
+            room = nxt
+
+    # start and goal sit at opposite interior corners; like VisGym, the seed picks one of the four
+    # (start, goal) assignments: either diagonal, in either direction
+    near, far = 1, size - 2
+    start, goal = rng.choice([
+        ((near, near), (far, far)), ((far, far), (near, near)),
+        ((far, near), (near, far)), ((near, far), (far, near)),
+    ])
+    return Maze(walls=tuple(tuple(row) for row in walls), start=start, goal=goal, seed=seed)
+
+
+def solve(maze: Maze, start=None) -> list:
+    """Shortest action sequence from `start` (default: maze.start) to the goal, ending with stop."""
+    start = tuple(maze.start if start is None else start)
+    if not maze.is_open(start):
+        raise ValueError(f"start {start} is not an open cell of the maze")
+    # breadth-first search, remembering how each cell was first reached
+    came_from = {start: None}  # cell -> (previous cell, direction taken)
+    frontier = deque([start])
+    while frontier:
+        cell = frontier.popleft()
+        if cell == maze.goal:
+            break
+        for d, (dr, dc) in MOVE_DELTAS.items():
+            nxt = (cell[0] + dr, cell[1] + dc)
+            if maze.is_open(nxt) and nxt not in came_from:
+                came_from[nxt] = (cell, d)
+                frontier.append(nxt)
+    if maze.goal not in came_from:
+        raise ValueError("the goal is unreachable from start")  # impossible in a perfect maze
+    actions = [STOP_ACTION]
+    cell = maze.goal
+    while came_from[cell] is not None:
+        cell, d = came_from[cell]
+        actions.append(ACTION_STRINGS[d])
+    return actions[::-1]
+
+# -----------------------------------------------------------------------------
+# reading the model's reply
+
+# a tight grammar for the two action forms: either quote style, any whitespace, nothing else
+_MOVE_RE = re.compile(r"""\(\s*(['"])move\1\s*,\s*([0-3])\s*\)""")
+_STOP_RE = re.compile(r"""\(\s*(['"])stop\1\s*,\s*(['"])stop\2\s*\)""")
+
+
+def parse_action(text):
+    """('move', d) or ('stop', 'stop') from a model reply, or None if it holds no valid action.
+
+    Accepts `<answer>ACTION</answer>` (the last answer block counts; anything inside <think> is
+    ignored) or a bare ACTION string. Never raises, never evaluates the text.
+    """
+    if not isinstance(text, str) or len(text) > MAX_ACTION_CHARS:
+        return None
+    # only the text after the reasoning counts: an <answer> mentioned while thinking is not one
+    think_end = text.rfind("</think>")
+    if think_end >= 0:
+        text = text[think_end + len("</think>"):]
+    # Plain string searches from the right, rather than a regex, keep this linear in the length.
+    # A missing </answer> is tolerated, as generation is often stopped on that very string, and
+    # so is a missing <answer>, as a prompt may end with it.
+    open_at = text.rfind("<answer>")
+    if open_at >= 0:
+        text = text[open_at + len("<answer>"):]
+        close_at = text.find("</answer>")
+        text = text if close_at < 0 else text[:close_at]
+    elif (close_at := text.rfind("</answer>")) >= 0:
+        text = text[:close_at]
+    text = text.strip().strip("`").strip()
+    if (m := _MOVE_RE.fullmatch(text)):
+        return ("move", int(m.group(2)))
+    if _STOP_RE.fullmatch(text):
+        return ("stop", "stop")
+    return None
+
+# -----------------------------------------------------------------------------
+# what the model sees
+
+def render(maze: Maze, agent, cell_px: int = CELL_PX_TINY) -> Image.Image:
+    """The maze as an RGB image of (size * cell_px) pixels square, the agent drawn at `agent`."""
+    image = Image.new("RGB", (maze.size * cell_px, maze.size * cell_px), PATH_RGB)
+    draw = ImageDraw.Draw(image)
+
+    def fill_cell(cell, rgb):
+        x0, y0 = cell[1] * cell_px, cell[0] * cell_px  # (row, col) -> (x, y) pixels
+        draw.rectangle([x0, y0, x0 + cell_px - 1, y0 + cell_px - 1], fill=rgb)  # bounds inclusive
+
+    for r, row in enumerate(maze.walls):
+        for c, wall in enumerate(row):
+            if wall:
+                fill_cell((r, c), WALL_RGB)
+    fill_cell(maze.goal, GOAL_RGB)
+    # the agent is drawn last, so it covers the target once it stands on it; no anti-aliasing,
+    # so every pixel has one of the four pure colours
+    cx, cy = (agent[1] + 0.5) * cell_px, (agent[0] + 0.5) * cell_px
+    radius = AGENT_RADIUS_FRACTION * cell_px
+    draw.ellipse([cx - radius, cy - radius, cx + radius, cy + radius], fill=AGENT_RGB)
+    return image
+
+
+def observation_text(step: int, feedback=None) -> str:
+    """The user text of a turn: its number and what the previous action did."""
+    return f"This is step {step}." + (f" {feedback}" if feedback else "")
+
+# -----------------------------------------------------------------------------
+# the multi-turn environment
+
+INVALID_FEEDBACK = "Invalid action. Reply with <answer>('move', d)</answer> or <answer>('stop', 'stop')</answer>."
+WALL_FEEDBACK = "Cannot move into a wall."
+
+
+@dataclass
+class Observation:
+    image: Image.Image  # the maze after the action
+    text: str  # observation_text for the next user turn
+    reward: float  # 1.0 only for stopping on the target
+    done: bool  # the episode is over
+    valid: bool  # the action text parsed to an action
+    feedback: str  # what the action did ("" after reset)
+
+
+class MazeEnv:
+    """One episode on one maze. Each step consumes a turn, whether the action was valid or not."""
+
+    def __init__(self, maze: Maze, max_turns: int = 15, cell_px: int = CELL_PX_TINY):
+        self.maze = maze
+        self.max_turns = max_turns
+        self.cell_px = cell_px
+        self.reset()
+
+    def reset(self) -> Observation:
+        self.agent = self.maze.start
+        self.turn = 0  # actions taken so far
+        self.done = False
+        self.solved = False
+        self.end_reason = None  # "stop" or "turn_limit" once done
+        return self._observe(reward=0.0, valid=True, feedback="")
+
+    def step(self, action_text: str) -> Observation:
+        if self.done:
+            raise RuntimeError("step() called on a finished episode; call reset() first")
+        self.turn += 1
+        action = parse_action(action_text)
+        reward = 0.0
+        if action is None:
+            feedback = INVALID_FEEDBACK
+        elif action[0] == "stop":
+            # the only rewarded event: reaching the target without saying stop earns nothing
+            self.solved = self.agent == self.maze.goal
+            reward = 1.0 if self.solved else 0.0
+            feedback = "Reached the target." if self.solved else "Stopped off the target."
+            self.done, self.end_reason = True, "stop"
+        else:
+            dr, dc = MOVE_DELTAS[action[1]]
+            target = (self.agent[0] + dr, self.agent[1] + dc)
+            if self.maze.is_open(target):
+                self.agent = target
+                feedback = f"Moved {MOVE_NAMES[action[1]]}."
+            else:
+                feedback = WALL_FEEDBACK
+        if not self.done and self.turn >= self.max_turns:
+            self.done, self.end_reason = True, "turn_limit"
+        return self._observe(reward=reward, valid=action is not None, feedback=feedback)
+
+    def _observe(self, reward, valid, feedback) -> Observation:
+        return Observation(
+            image=render(self.maze, self.agent, self.cell_px),
+            text=observation_text(self.turn, feedback),
+            reward=reward, done=self.done, valid=valid, feedback=feedback,
+        )
+
+# -----------------------------------------------------------------------------
+# evaluation and training mazes
+
+TRAIN_SEED_OFFSET = 1_000_000  # training seeds start here, far from the evaluation seeds 0..n-1
+MAX_CONSECUTIVE_SKIPS = 10_000
+
+
+def _size_of(difficulty: str) -> int:
+    if difficulty not in DIFFICULTY_SIZES:
+        raise ValueError(f"unknown difficulty {difficulty!r}; choose one of {list(DIFFICULTY_SIZES)}")
+    return DIFFICULTY_SIZES[difficulty]
+
+
+def eval_mazes(difficulty: str, n: int = 64) -> list:
+    """The fixed evaluation set: seeds 0..n-1. It may repeat layouts, small sizes especially."""
+    return [generate_maze(_size_of(difficulty), seed) for seed in range(n)]
+
+
+class TrainMazeStream:
+    """An endless, resumable stream of training mazes, none with the layout of an evaluation maze.
+
+    Seeds are disjoint from evaluation by construction, but layouts are not: there are only
+    4 spanning trees of 2x2 rooms, times 4 start/goal placements, so "tiny" (5x5) has just 16
+    layouts and 64 evaluation mazes usually cover them all (then next() raises; lower eval_n).
+    "small" (7x7) has 192 * 4 = 768 layouts; larger sizes have far too many to collide often.
+    """
+
+    def __init__(self, difficulty: str, position: int = 0, eval_n: int = 64):
+        if eval_n > TRAIN_SEED_OFFSET:
+            raise ValueError(f"eval_n must be at most {TRAIN_SEED_OFFSET} to keep seeds disjoint")
+        self.eval_n = eval_n
+        self.difficulty = difficulty
+        self.position = position  # seeds consumed so far, skipped ones included
+        self._eval_keys = {m.layout_key() for m in eval_mazes(difficulty, eval_n)}
+
+    def next(self) -> Maze:
+        for _ in range(MAX_CONSECUTIVE_SKIPS):
+            maze = generate_maze(_size_of(self.difficulty), TRAIN_SEED_OFFSET + self.position)
+            self.position += 1
+            if maze.layout_key() not in self._eval_keys:
+                return maze
+        raise RuntimeError(
+            f"{MAX_CONSECUTIVE_SKIPS} consecutive {self.difficulty!r} training mazes all share a layout "
+            f"with one of the {self.eval_n} evaluation mazes: this size has too few layouts; lower eval_n"
+        )
+
+    __next__ = next
+
+    def __iter__(self):
+        return self
+
+    def state_dict(self) -> dict:
+        return {"difficulty": self.difficulty, "position": self.position}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["difficulty"] != self.difficulty:
+            self.difficulty = state["difficulty"]
+            self._eval_keys = {m.layout_key() for m in eval_mazes(self.difficulty, self.eval_n)}
+        self.position = int(state["position"])
+
+# -----------------------------------------------------------------------------
+# play the shortest solution of one maze and save it as an animation
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Render the solved episode of one maze.")
+    parser.add_argument("--difficulty", default="small", choices=list(DIFFICULTY_SIZES))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--cell-px", type=int, default=CELL_PX_TINY)
+    parser.add_argument("--out", default="maze_episode.gif", help="animated GIF; a PNG of the last frame goes next to it")
+    args = parser.parse_args()
+
+    maze = generate_maze(DIFFICULTY_SIZES[args.difficulty], args.seed)
+    actions = solve(maze)
+    env = MazeEnv(maze, max_turns=len(actions), cell_px=args.cell_px)
+    frames = [env.reset().image]
+    print(f"{args.difficulty} maze, seed {args.seed}: start {maze.start}, goal {maze.goal}")
+    for action in actions:
+        obs = env.step(action)
+        frames.append(obs.image)
+        print(f"{action:18s} -> {obs.text}")
+    out = Path(args.out)
+    frames[0].save(out, save_all=True, append_images=frames[1:], duration=400, loop=0)
+    frames[-1].save(out.with_suffix(".png"))
+    print(f"{len(actions)} actions, reward {obs.reward}, wrote {out} and {out.with_suffix('.png')}")

@@ -1,0 +1,247 @@
+"""GRPO math: group-relative advantages, the PPO-clip policy loss, KL, token log-probs.
+
+Everything here is plain tensor math with no model or engine in sight, so it can be
+read top to bottom and unit-tested on CPU. Shapes: B sequences, T token positions.
+
+References
+  GRPO       Shao et al. 2024, "DeepSeekMath" (arXiv:2402.03300), Sec. 4.1
+  PPO-clip   Schulman et al. 2017, "Proximal Policy Optimization" (arXiv:1707.06347), Eq. 7
+  Dr. GRPO   Liu et al. 2025, "Understanding R1-Zero-like Training" (arXiv:2503.20783), Sec. 3
+  DAPO       Yu et al. 2025, "DAPO" (arXiv:2503.14476), Sec. 3.1 "Clip-Higher"
+  k3 KL      Schulman 2020, "Approximating KL Divergence", http://joschu.net/blog/kl-approx.html
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+
+# ----------------------------------------------------------------------------- advantages
+
+def _advantages_and_stats(rewards: Tensor, group_ids: Tensor, scale_by_std: bool, eps: float):
+    """Group-normalised advantages plus global reward statistics (all in float64)."""
+    r = rewards.detach().to(torch.float64)
+    _, g = torch.unique(group_ids, return_inverse=True)  # arbitrary ids -> 0..G-1
+    G = int(g.max()) + 1 if g.numel() else 0
+    zeros = r.new_zeros(G)
+
+    # mean_g = (1/|g|) sum_{i in g} r_i
+    count = zeros.index_add(0, g, torch.ones_like(r))
+    mean = zeros.index_add(0, g, r) / count
+    centered = r - mean[g]
+    # std_g = sqrt( sum_{i in g} (r_i - mean_g)^2 / (|g| - 1) )  -- the *sample* (unbiased)
+    # std, as torch.std's default and TRL's GRPOTrainer. A size-1 group has no std (0/0);
+    # it is caught by the all-equal rule below.
+    std = (zeros.index_add(0, g, centered**2) / (count - 1).clamp_min(1)).sqrt()
+
+    if scale_by_std:
+        # GRPO (Shao et al. 2024, Sec. 4.1.2 outcome supervision): A_i = (r_i - mean_g) / (std_g + eps)
+        adv = centered / (std[g] + eps)
+    else:
+        # Dr. GRPO (Liu et al. 2025, Sec. 3.1): drop the std, which up-weights groups that are
+        # nearly all-right or all-wrong: A_i = r_i - mean_g
+        adv = centered
+
+    # A group whose rewards are all equal carries no learning signal: A_i = 0 *exactly*
+    # (r - mean can be ~1e-17 off after the float division, so set it explicitly).
+    rmax = r.new_full((G,), -torch.inf).scatter_reduce(0, g, r, "amax")
+    rmin = r.new_full((G,), torch.inf).scatter_reduce(0, g, r, "amin")
+    constant = rmax == rmin  # includes size-1 groups
+    adv = torch.where(constant[g], torch.zeros_like(adv), adv)
+
+    stats = {
+        "reward_mean": r.mean().item() if r.numel() else 0.0,
+        "reward_std": r.std().item() if r.numel() > 1 else 0.0,  # unbiased, over all episodes
+        "zero_variance_group_frac": constant.double().mean().item() if G else 0.0,
+        "num_groups": float(G),
+    }
+    out_dtype = rewards.dtype if rewards.is_floating_point() else torch.float32
+    return adv.to(out_dtype), stats
+
+
+def group_advantages(rewards: Tensor, group_ids: Tensor, scale_by_std: bool = True,
+                     eps: float = 1e-6) -> Tensor:
+    """One advantage per episode, normalised within its group (episodes sharing a group id).
+
+    rewards: float [N]; group_ids: long [N] (any ints, need not be contiguous or sorted).
+    Returns [N]. Size-1 groups and groups with all-equal rewards get exactly 0.
+    """
+    return _advantages_and_stats(rewards, group_ids, scale_by_std, eps)[0]
+
+
+def gather_group_advantages(local_rewards: Tensor, local_group_ids: Tensor, scale_by_std: bool = True,
+                            eps: float = 1e-6) -> tuple[Tensor, dict]:
+    """Advantages for this rank's episodes, with group statistics taken over ALL ranks.
+
+    A group's members may be spread over ranks, each holding a different number of
+    episodes. We all_gather every rank's (reward, group_id) pairs -- sizes first, then
+    padded tensors -- compute on the concatenation (rank 0's episodes first, then rank 1's,
+    ...), and return this rank's slice. Without an initialised process group (or with
+    world_size 1) it is the local computation. Stats are global python floats:
+    reward_mean, reward_std, zero_variance_group_frac, num_groups.
+    """
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return _advantages_and_stats(local_rewards, local_group_ids, scale_by_std, eps)
+
+    device = local_rewards.device
+    if device.type == "cpu" and dist.get_backend() == "nccl":  # NCCL only moves CUDA tensors
+        device = torch.device("cuda", torch.cuda.current_device())
+    world, rank = dist.get_world_size(), dist.get_rank()
+
+    n = torch.tensor([local_rewards.numel()], dtype=torch.int64, device=device)
+    sizes = [torch.zeros_like(n) for _ in range(world)]
+    dist.all_gather(sizes, n)
+    sizes = [int(s) for s in sizes]
+    max_n = max(sizes)
+
+    def gather_padded(x: Tensor, dtype: torch.dtype) -> Tensor:
+        buf = torch.zeros(max_n, dtype=dtype, device=device)
+        buf[: x.numel()] = x.detach().reshape(-1).to(device=device, dtype=dtype)
+        parts = [torch.empty_like(buf) for _ in range(world)]
+        dist.all_gather(parts, buf)
+        return torch.cat([p[:s] for p, s in zip(parts, sizes)])
+
+    all_rewards = gather_padded(local_rewards, torch.float64)
+    all_ids = gather_padded(local_group_ids, torch.int64)
+    adv, stats = _advantages_and_stats(all_rewards, all_ids, scale_by_std, eps)
+    start = sum(sizes[:rank])
+    local = adv[start : start + sizes[rank]]
+    out_dtype = local_rewards.dtype if local_rewards.is_floating_point() else torch.float32
+    return local.to(device=local_rewards.device, dtype=out_dtype), stats
+
+
+# ----------------------------------------------------------------------------- per-token math
+
+def masked_mean(x: Tensor, mask: Tensor, dim=None) -> Tensor:
+    """sum(x * m) / sum(m) over `dim` (all if None); masked entries may hold nan/inf."""
+    m = mask.bool()
+    x = torch.where(m, x, torch.zeros_like(x))
+    if dim is None:
+        return x.sum() / m.sum().clamp_min(1)
+    return x.sum(dim) / m.sum(dim).clamp_min(1)
+
+
+def kl_k3(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
+    """Per-token k3 estimator of KL(pi || pi_ref) for tokens sampled from pi (Schulman 2020):
+    k3 = r - log r - 1 with r = pi_ref / pi = exp(ref - logp). Unbiased and always >= 0."""
+    log_r = ref_logprobs - logprobs
+    return torch.exp(log_r) - log_r - 1
+
+
+def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, response_mask: Tensor,
+                clip_eps_low: float = 0.2, clip_eps_high: float = 0.2, aggregation: str = "token-mean",
+                loss_normalizer: float | Tensor | None = None, ref_logprobs: Tensor | None = None,
+                kl_coef: float = 0.0) -> tuple[Tensor, dict]:
+    """GRPO's clipped surrogate loss (to minimise) and detached float metrics.
+
+    logprobs (with grad), old_logprobs, response_mask, ref_logprobs: [B, T];
+    advantages: [B], one per sequence, broadcast over its tokens. response_mask is 1 on
+    tokens the policy generated, 0 on prompt / tool-observation / padding positions; those
+    contribute exactly nothing, even if their log-probs are nan or inf.
+
+    aggregation
+      "token-mean": sum over all masked tokens / loss_normalizer. The default normaliser is
+          this call's masked-token count. For gradient accumulation pass the masked-token
+          count of the whole mini-batch (all micro-batches, all ranks): the micro-batch
+          losses then *sum* to exactly the mini-batch token mean (DAPO Sec. 3.3). Note that
+          DDP/FSDP *average* gradients over ranks, so there pass count / world_size (or scale
+          the loss by world_size). A constant normaliser (e.g. B * max_len) gives Dr. GRPO's
+          length-unbiased sum (Liu et al. 2025, Sec. 3.1).
+      "seq-mean": mean over each sequence's masked tokens, then sum over sequences /
+          loss_normalizer (default B) -- the original GRPO objective (Shao et al. Eq. 3).
+    """
+    mask = response_mask.bool()
+    zero = torch.zeros_like(logprobs)
+    # Scrub masked positions *before* any exp/log: torch.where in the backward pass sends
+    # 0 to the unselected branch, so nan/inf there can neither reach the loss nor the grads.
+    logp = torch.where(mask, logprobs, zero)
+    old = torch.where(mask, old_logprobs.detach().to(logp.dtype), zero)
+    A = advantages.detach().to(logp.dtype).unsqueeze(-1)  # [B, 1]
+
+    # PPO-clip (Schulman et al. 2017, Eq. 7), per token t of sequence i, as in GRPO Eq. 3:
+    #   ratio = pi_theta(o_t) / pi_old(o_t) = exp(logp - old_logp)
+    #   L_t = -min( ratio * A_i , clip(ratio, 1 - eps_low, 1 + eps_high) * A_i )
+    # eps_high > eps_low is DAPO's "clip-higher" (Yu et al. 2025, Sec. 3.1, eps_high = 0.28).
+    ratio = torch.exp(logp - old)
+    surr_unclipped = ratio * A
+    surr_clipped = torch.clamp(ratio, 1 - clip_eps_low, 1 + clip_eps_high) * A
+    per_token = -torch.minimum(surr_unclipped, surr_clipped)
+    pg_per_token = per_token
+
+    kl = None
+    if ref_logprobs is not None:
+        ref = torch.where(mask, ref_logprobs.detach().to(logp.dtype), zero)
+        kl = kl_k3(logp, ref)
+        if kl_coef > 0:
+            # GRPO Eq. 3: L_t += beta * D_KL[pi_theta || pi_ref], estimated per token by k3.
+            per_token = per_token + kl_coef * kl
+
+    def aggregate(x: Tensor) -> Tensor:
+        x = torch.where(mask, x, zero)
+        if aggregation == "token-mean":
+            # L = sum_{i,t} m_it L_it / N_tokens
+            norm = mask.sum().clamp_min(1) if loss_normalizer is None else loss_normalizer
+            return x.sum() / norm
+        if aggregation == "seq-mean":
+            # L = (1/B) sum_i (1/|o_i|) sum_t m_it L_it
+            seq = x.sum(-1) / mask.sum(-1).clamp_min(1)
+            norm = x.shape[0] if loss_normalizer is None else loss_normalizer
+            return seq.sum() / norm
+        raise ValueError(f"unknown aggregation {aggregation!r}")
+
+    loss = aggregate(per_token)
+
+    with torch.no_grad():
+        # Clipping "changed the objective" where the clipped surrogate is strictly the min;
+        # there its gradient w.r.t. logp is zero.
+        clipped = (surr_clipped < surr_unclipped) & mask
+        metrics = {
+            "clip_frac": (clipped.sum() / mask.sum().clamp_min(1)).item(),
+            "ratio_mean": masked_mean(ratio, mask).item(),
+            "kl": masked_mean(kl, mask).item() if kl is not None else 0.0,
+            "pg_loss": aggregate(pg_per_token).item(),
+        }
+    return loss, metrics
+
+
+# ----------------------------------------------------------------------------- log-probs
+
+def token_logprobs(logits: Tensor, target_ids: Tensor, temperature: float = 1.0) -> Tensor:
+    """log softmax(logits / temperature)[target] per position: [B, T, V], [B, T] -> float32 [B, T].
+
+    Alignment: logits at position t predict token t+1, so the caller passes
+    logits[:, :-1] and input_ids[:, 1:]. temperature must match the one the rollout engine
+    sampled with (and whose log-probs it reported), else the ratio is off from step one.
+
+    log p(y) = z_y - logsumexp(z), z = logits / temperature. Done one sequence at a time in
+    float32 (bf16 logsumexp loses ~0.1 nats) so only one [T, V] float copy is live at once.
+    """
+    out = []
+    for row_logits, row_targets in zip(logits, target_ids):
+        z = row_logits.float() / temperature
+        picked = z.gather(-1, row_targets.long().unsqueeze(-1)).squeeze(-1)
+        out.append(picked - torch.logsumexp(z, dim=-1))
+    return torch.stack(out) if out else logits.new_zeros(target_ids.shape, dtype=torch.float32)
+
+
+@torch.no_grad()
+def logprob_mismatch(trainer_logprobs: Tensor, rollout_logprobs: Tensor, response_mask: Tensor) -> dict:
+    """How far the trainer's log-probs are from the inference engine's on the sampled tokens.
+
+    Near-zero values are the per-step evidence that the engine samples from the current
+    policy (weights synced, same temperature, same tokens). Python floats:
+      mismatch_abs_mean = mean |logp_trainer - logp_rollout|  over masked tokens
+      mismatch_abs_max  = max  |logp_trainer - logp_rollout|
+      mismatch_k3       = mean k3(logp_trainer, logp_rollout)
+    """
+    mask = response_mask.bool()
+    t = torch.where(mask, trainer_logprobs.double(), 0.0)
+    r = torch.where(mask, rollout_logprobs.double(), 0.0)
+    diff = (t - r).abs()
+    return {
+        "mismatch_abs_mean": masked_mean(diff, mask).item(),
+        "mismatch_abs_max": diff.max().item() if diff.numel() else 0.0,  # masked entries are 0
+        "mismatch_k3": masked_mean(kl_k3(t, r), mask).item(),
+    }

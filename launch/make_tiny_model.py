@@ -1,0 +1,198 @@
+"""Build a tiny, randomly initialised Qwen3-VL as an ordinary Hugging Face model directory.
+
+No hub access is needed: the tokenizer is a byte-level BPE trained here with the `tokenizers`
+library on a small built-in corpus (the maze prompts plus some plain English), with Qwen's special
+tokens added. The result loads with `Qwen3VLForConditionalGeneration.from_pretrained`,
+`AutoProcessor.from_pretrained` and `vllm.LLM`, exactly like a real Qwen3-VL-8B directory, so the
+trainer, the rollout engine and the server take the same code path for both.
+
+    python launch/make_tiny_model.py --out .cache/tiny-qwen3-vl [--seed 0] [--force]
+
+Deterministic from the seed. The directory holds a `BUILD_INFO.json` fingerprint; an existing
+directory with the same fingerprint is reused, and the build is written to a temporary directory
+and renamed into place so a killed build never leaves a half-written model behind.
+"""
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+DEFAULT_DIR = ROOT / ".cache" / "tiny-qwen3-vl"
+BUILD_VERSION = 1  # bump when the architecture or tokenizer recipe changes
+
+# Qwen's special tokens. The vision ones are what the Qwen3-VL processor and vLLM look for.
+SPECIAL_TOKENS = [
+    "<|endoftext|>", "<|im_start|>", "<|im_end|>",
+    "<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>",
+]
+
+# A Qwen-style chat template of our own. Images become <|vision_start|><|image_pad|><|vision_end|>;
+# the processor expands the single <|image_pad|> into one token per merged 32x32 patch.
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' -}}"
+    "{%- if message['content'] is string -%}{{- message['content'] -}}"
+    "{%- else -%}{%- for part in message['content'] -%}"
+    "{%- if part['type'] == 'image' or part['type'] == 'image_url' -%}"
+    "{{- '<|vision_start|><|image_pad|><|vision_end|>' -}}"
+    "{%- elif part['type'] == 'text' -%}{{- part['text'] -}}{%- endif -%}"
+    "{%- endfor -%}{%- endif -%}"
+    "{{- '<|im_end|>\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
+
+GENERIC_TEXT = """\
+You are a helpful assistant. Look at the image and answer the question.
+The quick brown fox jumps over the lazy dog. A maze is a path or collection of paths from an
+entrance to a goal. The agent moves one cell at a time: right, up, left or down. Walls block the
+way; open cells are white. When you reach the target, stop. Think step by step, then answer.
+This is step one. This is step two. Moved right. Moved up. Moved left. Moved down. Invalid action.
+Cannot move into a wall. Reached the target. Stopped off the target. The episode is over.
+"""
+
+
+def training_corpus() -> list[str]:
+    """Text the tokenizer is trained on: the maze prompts (so they cost few tokens) + plain English."""
+    import env
+
+    texts = [GENERIC_TEXT, env.INSTRUCTIONS]
+    texts += [env.observation_text(step, fb) for step in range(16)
+              for fb in (None, "Moved right.", "Cannot move into a wall.")]
+    for size in env.DIFFICULTY_SIZES.values():
+        maze = env.generate_maze(size, seed=0)
+        game = env.MazeEnv(maze, max_turns=100)
+        texts.append(game.reset().text)
+        for action in env.solve(maze) + ["garbage", "('move', 9)"]:
+            if not game.done:
+                texts.append(game.step(f"<answer>{action}</answer>").text)
+    return texts * 4
+
+
+def fingerprint(seed: int) -> str:
+    import env
+
+    recipe = json.dumps([BUILD_VERSION, seed, training_corpus(), env.ACTION_STRINGS, CHAT_TEMPLATE])
+    return hashlib.sha256(recipe.encode()).hexdigest()[:16]
+
+
+def build_tokenizer(vocab_size: int):
+    """Byte-level BPE + Qwen special tokens + one token per maze action string."""
+    import env
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(training_corpus(), trainer=trainer)
+    # The answer tags and the five actions get their own (non-special) tokens, so a whole answer
+    # `<answer>('move', 0)</answer>` is three tokens and decodes back to the exact text.
+    tok.add_tokens(["<think>", "</think>", "<answer>", "</answer>", *env.ACTION_STRINGS])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+        bos_token=None, unk_token=None, model_max_length=32768, chat_template=CHAT_TEMPLATE,
+    )
+
+
+def build(out_dir: Path, seed: int = 0, vocab_size: int = 1024) -> Path:
+    import torch
+    from transformers import (GenerationConfig, Qwen2VLImageProcessor, Qwen3VLConfig,
+                              Qwen3VLForConditionalGeneration, Qwen3VLProcessor)
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+
+    tokenizer = build_tokenizer(vocab_size)
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+    # Pixel budget: enough for an 11x11 maze at 32 px (352x352) without resizing, small minimum so
+    # a 5x5 maze (160x160) is not upscaled. 16 px patches merged 2x2 -> one token per 32x32 cell.
+    image_processor = Qwen2VLImageProcessor(
+        patch_size=16, merge_size=2, temporal_patch_size=2,
+        min_pixels=64 * 64, max_pixels=512 * 512,
+        image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5],
+    )
+    video_processor = Qwen3VLVideoProcessor(patch_size=16, merge_size=2, temporal_patch_size=2)
+    processor = Qwen3VLProcessor(image_processor=image_processor, tokenizer=tokenizer,
+                                 video_processor=video_processor, chat_template=CHAT_TEMPLATE)
+
+    # Shapes follow Qwen3-VL-8B's config, scaled down; the vocabulary is padded to a multiple of 64
+    # (like the real model's, it is larger than the tokenizer). head_dim 32 because vLLM's CPU paged
+    # attention rejects 16; mrope_section must sum to head_dim / 2 (t, h, w rotary frequencies).
+    config = Qwen3VLConfig(
+        text_config=dict(
+            vocab_size=-(-len(tokenizer) // 64) * 64, hidden_size=128, intermediate_size=256,
+            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+            max_position_embeddings=8192, rms_norm_eps=1e-6, hidden_act="silu",
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                             "mrope_section": [8, 4, 4], "mrope_interleaved": True},
+            tie_word_embeddings=False,
+        ),
+        vision_config=dict(
+            depth=2, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=128,
+            patch_size=16, spatial_merge_size=2, temporal_patch_size=2, in_channels=3,
+            num_position_embeddings=576, deepstack_visual_indexes=[1],
+            hidden_act="gelu_pytorch_tanh",
+        ),
+        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = Qwen3VLForConditionalGeneration(config).to(torch.float32)
+    model.generation_config = GenerationConfig(
+        eos_token_id=[ids["<|im_end|>"], ids["<|endoftext|>"]], pad_token_id=ids["<|endoftext|>"],
+        do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
+    )
+
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".tmp-", dir=out_dir.parent))
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        processor.save_pretrained(tmp)
+        n_params = sum(p.numel() for p in model.parameters())
+        (tmp / "BUILD_INFO.json").write_text(json.dumps(
+            {"fingerprint": fingerprint(seed), "seed": seed, "parameters": n_params}, indent=2))
+        tmp.chmod(0o755)  # mkdtemp makes it private; the model is meant to be shared
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir
+
+
+def ensure_tiny_model(out_dir: Path = DEFAULT_DIR, seed: int = 0, force: bool = False) -> Path:
+    """Return the tiny model directory, building it only if missing or built from another recipe."""
+    out_dir = Path(out_dir)
+    info = out_dir / "BUILD_INFO.json"
+    if not force and info.exists():
+        if json.loads(info.read_text()).get("fingerprint") == fingerprint(seed):
+            return out_dir
+    return build(out_dir, seed=seed)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=DEFAULT_DIR)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--force", action="store_true", help="rebuild even if an identical build exists")
+    args = parser.parse_args()
+    path = ensure_tiny_model(args.out, seed=args.seed, force=args.force)
+    info = json.loads((path / "BUILD_INFO.json").read_text())
+    print(f"tiny Qwen3-VL at {path} ({info['parameters']:,} parameters, fingerprint {info['fingerprint']})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Create .venv and install the right stack for this machine, then build the tiny model.
+#
+#   bash launch/setup.sh            # auto: GPU stack if nvidia-smi sees a GPU, else the CPU stack
+#   GRPO_STACK=cpu bash launch/setup.sh   # force a variant (cpu | gpu)
+#
+# Idempotent: a stamp in .venv records what was installed; a second run with unchanged
+# requirement files only checks the stamp and the tiny model (a second or two).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+stack="${GRPO_STACK:-auto}"
+if [ "$stack" = auto ]; then
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q GPU; then stack=gpu; else stack=cpu; fi
+fi
+case "$stack" in
+  cpu) reqs=(-r requirements-cpu.txt --override requirements-cpu-override.txt) ;;
+  gpu) reqs=(-r requirements.txt) ;;
+  *) echo "GRPO_STACK must be cpu, gpu or auto (got '$stack')" >&2; exit 2 ;;
+esac
+
+python="${PYTHON:-python3}"
+stamp_want="$stack $(cat requirements*.txt | sha256sum | cut -c1-16)"
+if [ -x .venv/bin/python ] && [ "$(cat .venv/.grpo-stack 2>/dev/null)" = "$stamp_want" ]; then
+  echo "[setup] .venv is up to date ($stack stack)"
+else
+  echo "[setup] installing the $stack stack into .venv (uv; a few minutes on a fresh machine)"
+  command -v uv >/dev/null 2>&1 || "$python" -m pip install -q uv
+  uv="$(command -v uv || echo "$python -m uv")"
+  [ -x .venv/bin/python ] || $uv venv -q --python "$python" .venv
+  # uv reads neither pip's config nor local wheel folders: it takes the registry's torch build.
+  $uv pip install -q --python .venv/bin/python "${reqs[@]}"
+  echo "$stamp_want" > .venv/.grpo-stack
+fi
+
+.venv/bin/python launch/make_tiny_model.py

@@ -1,0 +1,232 @@
+"""Multi-turn, multimodal rollouts: the policy plays mazes through an in-process vLLM engine.
+
+One call to `play_episodes` plays a batch of episodes to the end. Every turn, ALL still-active
+episodes go to the engine in ONE `generate` call (vLLM batches them); the reply is parsed by the
+env, the env renders the new state, and the new user turn (feedback text + image) is appended.
+
+Token-in / token-out. An episode's conversation is kept as token ids from the first turn on and
+only ever appended to: the tokens the engine generated are kept exactly as generated (never
+re-tokenised from decoded text), and each new user turn is rendered by the model's own chat
+template and tokenised on its own. What the engine saw is therefore exactly what the trainer
+sees:
+
+    token_ids      = [ user turn 0 | reply 0 | user turn 1 | reply 1 | ... | reply n ]
+    response_mask  = [ 0 ...     0 | 1 ... 1 | 0 ...     0 | 1 ... 1 | ... | 1 ... 1 ]
+    rollout_logprobs: vLLM's sampling log-probability of each reply token (0 elsewhere)
+
+Images: we send one `<|image_pad|>` per image and vLLM expands it into one token per merged
+patch; the expanded prompt comes back in `RequestOutput.prompt_token_ids`, and that expanded
+form is what we store, because the trainer's forward pass needs it too.
+"""
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+# vLLM reads these at import time. An in-process engine (no engine-core subprocess) is what lets
+# each torchrun rank own an engine beside its FSDP shard; on CPU the KV cache size is given in GiB.
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+if not torch.cuda.is_available():
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # torchrun ranks share the cores
+
+from tqdm import tqdm  # noqa: E402
+
+import env  # noqa: E402
+
+# LoRA goes on the language model's linear layers only; the vision tower stays frozen (and vLLM
+# does not apply LoRA to it anyway). A regex, so it works for any Qwen3-VL size.
+LORA_TARGET_REGEX = r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
+
+
+def build_engine(model: str, *, max_model_len: int, max_lora_rank: int, seed: int,
+                 gpu_memory_utilization: float = 0.45, max_images: int = 16,
+                 external_launcher: bool = False):
+    """An in-process vLLM engine with LoRA and prefix caching.
+
+    With `external_launcher` every torchrun rank builds its own engine inside its own process
+    (vLLM then joins the process group torchrun created instead of spawning workers).
+    """
+    from vllm import LLM
+
+    on_gpu = torch.cuda.is_available()
+    kwargs = dict(
+        model=model, seed=seed, max_model_len=max_model_len,
+        dtype="bfloat16" if on_gpu else "float32",  # fp32 on CPU: logprobs match the trainer's
+        enable_prefix_caching=True,  # turn k's prompt is turn k-1's prompt + reply + new turn
+        enable_lora=True, max_lora_rank=max_lora_rank, max_loras=1, max_cpu_loras=2,
+        limit_mm_per_prompt={"image": max_images, "video": 0},
+    )
+    if on_gpu:
+        kwargs.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=True)
+    if external_launcher:
+        kwargs.update(distributed_executor_backend="external_launcher")
+    return LLM(**kwargs)
+
+
+class ChatFormat:
+    """Turns maze observations into prompt token ids with the model's own chat template.
+
+    Nothing here knows the tiny model's tokenizer: the template is asked to render a
+    conversation, and we take the text that a new user turn adds after an assistant reply.
+    """
+
+    MARK = "\u2063REPLY\u2063"  # a string no template produces, to find where a reply ends
+
+    def __init__(self, processor, eos_token_ids: list[int]):
+        self.processor = processor
+        self.tokenizer = processor.tokenizer
+        self.eos_token_ids = set(eos_token_ids)
+        self.image_token_id = processor.image_token_id
+        self._image_tokens = {}  # image size -> number of tokens the image expands to
+
+    @staticmethod
+    def user_turn(text: str):
+        return {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": text}]}
+
+    def _ids(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def first_turn(self, observation_text: str) -> list[int]:
+        message = self.user_turn(env.INSTRUCTIONS + "\n" + observation_text)
+        return self._ids(self.processor.apply_chat_template([message], add_generation_prompt=True,
+                                                            tokenize=False))
+
+    def next_turn(self, observation_text: str, reply_ids: list[int]) -> list[int]:
+        """Ids that close the assistant reply (unless it ended itself) and open the next turn."""
+        conversation = [self.user_turn("x"), {"role": "assistant", "content": self.MARK},
+                        self.user_turn(observation_text)]
+        text = self.processor.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+        after_reply = text[text.index(self.MARK) + len(self.MARK):]
+        if reply_ids and reply_ids[-1] in self.eos_token_ids:
+            # the reply already holds the end-of-turn token the template would write next
+            eos_text = self.tokenizer.decode([reply_ids[-1]])
+            if after_reply.startswith(eos_text):
+                after_reply = after_reply[len(eos_text):]
+        return self._ids(after_reply)
+
+    def image_tokens(self, image) -> int:
+        """How many tokens one image expands to (one per merged patch)."""
+        if image.size not in self._image_tokens:
+            grid = self.processor.image_processor(images=[image], return_tensors="pt")["image_grid_thw"][0]
+            merge = self.processor.image_processor.merge_size
+            self._image_tokens[image.size] = int(grid.prod()) // (merge * merge)
+        return self._image_tokens[image.size]
+
+
+@dataclass
+class Episode:
+    maze: env.Maze
+    group_id: int  # members of a GRPO group play the same maze and share this id
+    sample_id: int  # globally unique, seeds this episode's sampling
+    prompt_ids: list = field(default_factory=list)  # engine input: one <|image_pad|> per image
+    token_ids: list = field(default_factory=list)  # trainer input: images expanded
+    response_mask: list = field(default_factory=list)
+    rollout_logprobs: list = field(default_factory=list)
+    images: list = field(default_factory=list)
+    replies: list = field(default_factory=list)  # decoded text of each reply, for logs and eval
+    reward: float = 0.0
+    solved: bool = False
+    invalid_actions: int = 0
+    truncated_replies: int = 0  # replies cut by the per-turn token limit
+    end_reason: str = ""  # stop | turn_limit | context_limit
+    done: bool = False
+
+    @property
+    def num_turns(self) -> int:
+        return len(self.replies)
+
+    @property
+    def num_generated_tokens(self) -> int:
+        return sum(self.response_mask)
+
+    def expanded_length(self, chat: ChatFormat) -> int:
+        return len(self.prompt_ids) + sum(chat.image_tokens(im) - 1 for im in self.images)
+
+
+def play_episodes(engine, chat: ChatFormat, mazes: list, group_ids: list, *, samples_per_maze: int,
+                  max_turns: int, max_new_tokens: int, max_model_len: int, temperature: float,
+                  seed: int, lora_request=None, cell_px: int = env.CELL_PX_TINY,
+                  first_sample_id: int = 0, desc: str = "rollout", progress: bool = True) -> list:
+    """Play every maze `samples_per_maze` times to the end; return the finished episodes."""
+    from vllm import SamplingParams
+
+    episodes, games = [], []
+    for maze, group_id in zip(mazes, group_ids):
+        for _ in range(samples_per_maze):
+            episode = Episode(maze=maze, group_id=group_id, sample_id=first_sample_id + len(episodes))
+            game = env.MazeEnv(maze, max_turns=max_turns, cell_px=cell_px)
+            obs = game.reset()
+            episode.prompt_ids = chat.first_turn(obs.text)
+            episode.images = [obs.image]
+            episodes.append(episode)
+            games.append(game)
+
+    def sampling_params(episode: Episode, turn: int):
+        if temperature == 0.0:
+            return SamplingParams(temperature=0.0, max_tokens=max_new_tokens)
+        # A distinct seed per (run seed, episode, turn): samples differ across a group's members,
+        # and a resumed run draws exactly what an uninterrupted run would have drawn.
+        request_seed = (seed * 1_000_003 + episode.sample_id * 1_009 + turn) % (2**31 - 1)
+        return SamplingParams(temperature=temperature, max_tokens=max_new_tokens, logprobs=0,
+                              seed=request_seed)
+
+    bar = tqdm(total=len(episodes), desc=desc, unit="ep", disable=not progress, leave=False)
+    turn = 0
+    while active := [i for i, e in enumerate(episodes) if not e.done]:
+        prompts = [{"prompt_token_ids": episodes[i].prompt_ids,
+                    "multi_modal_data": {"image": episodes[i].images}} for i in active]
+        params = [sampling_params(episodes[i], turn) for i in active]
+        outputs = engine.generate(prompts, params, lora_request=lora_request, use_tqdm=False)
+        for i, out in zip(active, outputs):
+            episode, game, completion = episodes[i], games[i], out.outputs[0]
+            reply_ids = list(completion.token_ids)
+            expanded_prompt = list(out.prompt_token_ids)
+            # The engine's view of the history must extend ours token for token.
+            assert expanded_prompt[:len(episode.token_ids)] == episode.token_ids, "token drift"
+            new_prompt = len(expanded_prompt) - len(episode.token_ids)
+            if completion.logprobs is not None:
+                reply_logprobs = [lp[t].logprob for lp, t in zip(completion.logprobs, reply_ids)]
+            else:  # greedy eval does not ask for logprobs
+                reply_logprobs = [0.0] * len(reply_ids)
+            episode.token_ids = expanded_prompt + reply_ids
+            episode.response_mask += [0] * new_prompt + [1] * len(reply_ids)
+            episode.rollout_logprobs += [0.0] * new_prompt + reply_logprobs
+            episode.replies.append(completion.text)
+            episode.truncated_replies += completion.finish_reason == "length"
+
+            obs = game.step(completion.text)
+            episode.invalid_actions += not obs.valid
+            if game.done:
+                episode.done, episode.reward, episode.solved = True, obs.reward, game.solved
+                episode.end_reason = game.end_reason
+                bar.update(1)
+                continue
+            episode.prompt_ids = episode.prompt_ids + reply_ids + chat.next_turn(obs.text, reply_ids)
+            episode.images = episode.images + [obs.image]
+            if episode.expanded_length(chat) + max_new_tokens > max_model_len:
+                episode.done, episode.end_reason = True, "context_limit"
+                bar.update(1)
+        turn += 1
+    bar.close()
+    return episodes
+
+
+def rollout_metrics(episodes: list) -> dict:
+    """Per-batch statistics for logs (means over episodes)."""
+    n = max(len(episodes), 1)
+    turns = sum(e.num_turns for e in episodes)
+    metrics = {
+        "reward_mean": sum(e.reward for e in episodes) / n,
+        "solve_rate": sum(e.solved for e in episodes) / n,
+        "episode_turns": turns / n,
+        "generated_tokens": sum(e.num_generated_tokens for e in episodes),
+        "invalid_action_rate": sum(e.invalid_actions for e in episodes) / max(turns, 1),
+        "truncated_reply_rate": sum(e.truncated_replies for e in episodes) / max(turns, 1),
+        "sequence_tokens_mean": sum(len(e.token_ids) for e in episodes) / n,
+    }
+    for reason in ("stop", "turn_limit", "context_limit"):
+        metrics[f"end_{reason}"] = sum(e.end_reason == reason for e in episodes) / n
+    return metrics
