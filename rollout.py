@@ -149,14 +149,18 @@ class Episode:
 def play_episodes(engine, chat: ChatFormat, mazes: list, group_ids: list, *, samples_per_maze: int,
                   max_turns: int, max_new_tokens: int, max_model_len: int, temperature: float,
                   seed: int, lora_request=None, cell_px: int = env.CELL_PX_TINY,
-                  first_sample_id: int = 0, desc: str = "rollout", progress: bool = True) -> list:
-    """Play every maze `samples_per_maze` times to the end; return the finished episodes."""
+                  desc: str = "rollout", progress: bool = True) -> list:
+    """Play every maze `samples_per_maze` times to the end; return the finished episodes.
+
+    `group_ids` must be unique across the whole run (and across ranks): with the member index
+    they give each episode the id that seeds its sampling.
+    """
     from vllm import SamplingParams
 
     episodes, games = [], []
     for maze, group_id in zip(mazes, group_ids):
-        for _ in range(samples_per_maze):
-            episode = Episode(maze=maze, group_id=group_id, sample_id=first_sample_id + len(episodes))
+        for member in range(samples_per_maze):
+            episode = Episode(maze=maze, group_id=group_id, sample_id=group_id * samples_per_maze + member)
             game = env.MazeEnv(maze, max_turns=max_turns, cell_px=cell_px)
             obs = game.reset()
             episode.prompt_ids = chat.first_turn(obs.text)
