@@ -19,6 +19,8 @@ patch; the expanded prompt comes back in `RequestOutput.prompt_token_ids`, and t
 form is what we store, because the trainer's forward pass needs it too.
 """
 
+import base64
+import io
 import os
 from dataclasses import dataclass, field
 
@@ -214,6 +216,64 @@ def play_episodes(engine, chat: ChatFormat, mazes: list, group_ids: list, *, sam
                 episode.done, episode.end_reason = True, "context_limit"
                 bar.update(1)
         turn += 1
+    bar.close()
+    return episodes
+
+
+# ----------------------------------------------------------------------------- greedy evaluation
+# Evaluation speaks the chat API: OpenAI-style messages with images as data URLs, replies as
+# text. The trainer's eval sends them to its in-process engine (`LLM.chat`); `serve.py`'s eval
+# client sends the very same messages to the HTTP server. One code path, so the numbers agree.
+
+def image_url(image) -> str:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def chat_user_message(text: str, image) -> dict:
+    return {"role": "user", "content": [{"type": "image_url", "image_url": {"url": image_url(image)}},
+                                        {"type": "text", "text": text}]}
+
+
+def engine_replies(engine, lora_request, max_new_tokens: int):
+    """reply_fn for `play_chat_episodes` backed by an in-process vLLM engine (greedy)."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens)
+
+    def reply_fn(conversations: list) -> list:
+        outputs = engine.chat(conversations, params, lora_request=lora_request, use_tqdm=False)
+        return [o.outputs[0].text for o in outputs]
+
+    return reply_fn
+
+
+def play_chat_episodes(mazes: list, reply_fn, *, max_turns: int, cell_px: int = env.CELL_PX_TINY,
+                       desc: str = "eval", progress: bool = True) -> list:
+    """Play each maze once, every turn asking `reply_fn` for all active conversations at once."""
+    episodes, games, conversations = [], [], []
+    for i, maze in enumerate(mazes):
+        game = env.MazeEnv(maze, max_turns=max_turns, cell_px=cell_px)
+        obs = game.reset()
+        episodes.append(Episode(maze=maze, group_id=i, sample_id=i))
+        games.append(game)
+        conversations.append([chat_user_message(env.INSTRUCTIONS + "\n" + obs.text, obs.image)])
+    bar = tqdm(total=len(mazes), desc=desc, unit="maze", disable=not progress, leave=False)
+    while active := [i for i, e in enumerate(episodes) if not e.done]:
+        replies = reply_fn([conversations[i] for i in active])
+        for i, reply in zip(active, replies):
+            episode, game = episodes[i], games[i]
+            episode.replies.append(reply)
+            obs = game.step(reply)
+            episode.invalid_actions += not obs.valid
+            conversations[i].append({"role": "assistant", "content": reply})
+            if game.done:
+                episode.done, episode.reward, episode.solved = True, obs.reward, game.solved
+                episode.end_reason = game.end_reason
+                bar.update(1)
+            else:
+                conversations[i].append(chat_user_message(obs.text, obs.image))
     bar.close()
     return episodes
 

@@ -403,14 +403,17 @@ def load_checkpoint(path: Path, model, optimizer, scheduler, stream) -> tuple[in
 # ----------------------------------------------------------------------------- evaluation
 
 def evaluate(cfg, engine, chat, lora_request, step: int, out: Path) -> dict:
-    """Greedy play of the fixed evaluation mazes, split over ranks; rank 0 writes the JSON."""
+    """Greedy play of the fixed evaluation mazes, split over ranks; rank 0 writes the JSON.
+
+    Through the chat API, exactly as `serve.py eval` plays them over HTTP."""
     mazes = env.eval_mazes(cfg.difficulty, cfg.eval_mazes)
     mine = list(range(dist.get_rank(), len(mazes), dist.get_world_size()))
-    episodes = rollout.play_episodes(
-        engine, chat, [mazes[i] for i in mine], mine, samples_per_maze=1, max_turns=cfg.max_turns,
-        max_new_tokens=cfg.max_new_tokens, max_model_len=cfg.max_model_len, temperature=0.0,
-        seed=cfg.seed, lora_request=lora_request, cell_px=cfg.cell_px, desc=f"eval@{step}",
+    episodes = rollout.play_chat_episodes(
+        [mazes[i] for i in mine], rollout.engine_replies(engine, lora_request, cfg.max_new_tokens),
+        max_turns=cfg.max_turns, cell_px=cfg.cell_px, desc=f"eval@{step}",
         progress=cfg.progress and dist.get_rank() == 0)
+    for i, e in zip(mine, episodes):
+        e.group_id = i
     rows = [{"maze_index": e.group_id, "seed": e.maze.seed, "solved": e.solved, "turns": e.num_turns,
              "end_reason": e.end_reason, "invalid_actions": e.invalid_actions, "replies": e.replies}
             for e in episodes]
