@@ -82,6 +82,12 @@ class ChatFormat:
         self.tokenizer = processor.tokenizer
         self.eos_token_ids = set(eos_token_ids)
         self.image_token_id = processor.image_token_id
+        # Vision placeholders must never appear in a reply: the trainer's forward pass would take
+        # a generated <|image_pad|> for an image slot. Sampling gets a -100 logit bias on them
+        # (the logprobs vLLM reports are computed before the bias, like the trainer's).
+        self.banned_token_ids = [t for t in (getattr(processor, name, None) for name in (
+            "image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id"))
+            if isinstance(t, int)]
         self._image_tokens = {}  # image size -> number of tokens the image expands to
 
     @staticmethod
@@ -170,14 +176,16 @@ def play_episodes(engine, chat: ChatFormat, mazes: list, group_ids: list, *, sam
             episodes.append(episode)
             games.append(game)
 
+    no_vision_tokens = {t: -100.0 for t in chat.banned_token_ids}
+
     def sampling_params(episode: Episode, turn: int):
         if temperature == 0.0:
-            return SamplingParams(temperature=0.0, max_tokens=max_new_tokens)
+            return SamplingParams(temperature=0.0, max_tokens=max_new_tokens, logit_bias=no_vision_tokens)
         # A distinct seed per (run seed, episode, turn): samples differ across a group's members,
         # and a resumed run draws exactly what an uninterrupted run would have drawn.
         request_seed = (seed * 1_000_003 + episode.sample_id * 1_009 + turn) % (2**31 - 1)
         return SamplingParams(temperature=temperature, max_tokens=max_new_tokens, logprobs=0,
-                              seed=request_seed)
+                              seed=request_seed, logit_bias=no_vision_tokens)
 
     bar = tqdm(total=len(episodes), desc=desc, unit="ep", disable=not progress, leave=False)
     turn = 0
@@ -236,11 +244,12 @@ def chat_user_message(text: str, image) -> dict:
                                         {"type": "text", "text": text}]}
 
 
-def engine_replies(engine, lora_request, max_new_tokens: int):
+def engine_replies(engine, lora_request, max_new_tokens: int, banned_token_ids=()):
     """reply_fn for `play_chat_episodes` backed by an in-process vLLM engine (greedy)."""
     from vllm import SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens)
+    params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens,
+                            logit_bias={t: -100.0 for t in banned_token_ids} or None)
 
     def reply_fn(conversations: list) -> list:
         outputs = engine.chat(conversations, params, lora_request=lora_request, use_tqdm=False)

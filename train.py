@@ -283,6 +283,30 @@ def load_lora_state(model, adapter_file: Path):
     set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, strict=False))
 
 
+def sync_adapter(model, engine, shared: Path, step: int, keep: int):
+    """Write the current LoRA to <shared>/sync/step_<N> and point this rank's engine at it.
+
+    Collective. Returns the new LoRARequest, the full LoRA state and {sync_s, sync_bytes}.
+    """
+    from vllm.lora.request import LoRARequest
+
+    t0 = time.time()
+    state = gather_lora_state(model)
+    path = shared / "sync" / f"step_{step}"
+    if dist.get_rank() == 0:
+        write_adapter(model, state, path)
+        prune(shared / "sync", "step_", keep)
+    dist.barrier()
+    # A NEW id and path per step: vLLM loads an id only once, so re-using an id would silently
+    # keep generating with the old weights (and could reuse their prefix-cache blocks).
+    request = LoRARequest(f"policy-step-{step}", step + 1, str(path))
+    engine.llm_engine.add_lora(request)
+    for old in engine.llm_engine.list_loras() - {request.lora_int_id}:
+        engine.llm_engine.remove_lora(old)
+    nbytes = sum(v.numel() * v.element_size() for v in state.values())
+    return request, state, {"sync_s": time.time() - t0, "sync_bytes": nbytes}
+
+
 # ----------------------------------------------------------------------------- trainer-side logprobs
 
 class Batch:
@@ -409,7 +433,7 @@ def evaluate(cfg, engine, chat, lora_request, step: int, out: Path) -> dict:
     mazes = env.eval_mazes(cfg.difficulty, cfg.eval_mazes)
     mine = list(range(dist.get_rank(), len(mazes), dist.get_world_size()))
     episodes = rollout.play_chat_episodes(
-        [mazes[i] for i in mine], rollout.engine_replies(engine, lora_request, cfg.max_new_tokens),
+        [mazes[i] for i in mine], rollout.engine_replies(engine, lora_request, cfg.max_new_tokens, chat.banned_token_ids),
         max_turns=cfg.max_turns, cell_px=cfg.cell_px, desc=f"eval@{step}",
         progress=cfg.progress and dist.get_rank() == 0)
     for i, e in zip(mine, episodes):
@@ -458,7 +482,6 @@ def main(cfg: Config):
     check_shared_dir(shared)
 
     from transformers import AutoProcessor, GenerationConfig
-    from vllm.lora.request import LoRARequest
 
     processor = AutoProcessor.from_pretrained(model_path)
     eos = GenerationConfig.from_pretrained(model_path).eos_token_id
@@ -505,24 +528,7 @@ def main(cfg: Config):
     if not on_gpu:
         log0("CPU: vLLM has no sleep mode here, so the engine and the trainer both stay resident")
 
-    def sync(step: int) -> tuple[object, dict]:
-        """Write the current LoRA to <shared>/sync/step_<N> and point every engine at it."""
-        t0 = time.time()
-        state = gather_lora_state(model)
-        path = shared / "sync" / f"step_{step}"
-        if rank == 0:
-            write_adapter(model, state, path)
-            prune(shared / "sync", "step_", cfg.keep_syncs)
-        dist.barrier()
-        # A NEW id per step: vLLM loads an id once, so reusing one would keep the old weights.
-        request = LoRARequest(f"policy-step-{step}", step + 1, str(path))
-        engine.llm_engine.add_lora(request)
-        for old in engine.llm_engine.list_loras() - {request.lora_int_id}:
-            engine.llm_engine.remove_lora(old)
-        nbytes = sum(v.numel() * v.element_size() for v in state.values())
-        return request, state, {"sync_s": time.time() - t0, "sync_bytes": nbytes}
-
-    lora_request, lora_state, _ = sync(start_step)
+    lora_request, lora_state, _ = sync_adapter(model, engine, shared, start_step, cfg.keep_syncs)
     if start_step == 0 or start_step % cfg.eval_interval == 0:
         if not (out / "eval" / f"step_{start_step}.json").exists():
             result = evaluate(cfg, engine, chat, lora_request, start_step, out)
@@ -624,7 +630,7 @@ def main(cfg: Config):
         metrics["lr"] = scheduler.get_last_lr()[0]
 
         # 4. LoRA sync through shared storage
-        lora_request, lora_state, sync_stats = sync(step + 1)
+        lora_request, lora_state, sync_stats = sync_adapter(model, engine, shared, step + 1, cfg.keep_syncs)
         timing["sync_s"] = sync_stats["sync_s"]
         metrics["sync_bytes"] = sync_stats["sync_bytes"]
 
@@ -655,7 +661,8 @@ def main(cfg: Config):
         metrics["generated_tokens"] *= world  # totals, not means, for these two
         metrics["tokens_per_s"] *= world
         if rank == 0:
-            line = {"step": done, **{k: round(v, 6) if isinstance(v, float) else v for k, v in metrics.items()}}
+            line = {"step": done, **{k: float(f"{v:.6g}") for k, v in metrics.items()},
+                    "maze_seeds": [m.seed for m in mazes], "stream_position": stream.position}
             with open(out / "metrics.jsonl", "a") as f:
                 f.write(json.dumps(line) + "\n")
             for k, v in metrics.items():

@@ -1,0 +1,315 @@
+"""Serve a base model and its LoRA adapters over HTTP, and play the eval mazes through the server.
+
+    python serve.py --adapters runs/default/adapters            # the tiny model on 127.0.0.1:8000
+    python serve.py --model Qwen/Qwen3-VL-8B-Instruct --adapters runs/8b/adapters --max-loras 4
+    python serve.py eval --url http://127.0.0.1:8000 --model tiny-qwen3-vl:step_20
+
+The server is vLLM's own OpenAI-compatible server; this file only configures it. One base model,
+LoRA on, and every adapter under the adapter root servable by name, loaded on its first request:
+
+    "model": "tiny-qwen3-vl"                 the base model (its directory's name, or --served-name)
+    "model": "tiny-qwen3-vl:step_20"         <adapter root>/step_20
+    "model": "tiny-qwen3-vl:run1/step_20"    <adapter root>/run1/step_20
+
+Loaded adapters stay cached: up to --max-loras take part in one batch, --max-cpu-loras are kept in
+memory, and older ones are reloaded from disk when asked for again. Adapters are only ever read from
+inside the root, and the routes that would load one from any other path are switched off.
+
+The eval client plays `env.eval_mazes` exactly like the trainer's greedy eval (`train.evaluate`):
+the same conversations, the same parsing and turn limit, only the replies come over HTTP. It writes
+the same JSON, so a served adapter can be checked against the eval its training run logged.
+Any serve flag not listed in `--help` is passed to vLLM unchanged (e.g. --gpu-memory-utilization).
+"""
+
+import argparse
+import json
+import os
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import rollout  # first: sets vLLM's environment for this machine before vllm is imported
+
+import torch  # noqa: E402
+
+import env  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent
+
+# The ranks vLLM accepts for --max-lora-rank (vllm.config.lora.MaxLoRARanks).
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+# With no adapter to measure yet, fit the rank train.py gives real models (the tiny one uses 8).
+DEFAULT_LORA_RANK = 32
+
+
+# ----------------------------------------------------------------------------- adapters on disk
+
+def find_adapters(root: Path) -> dict[str, int]:
+    """Every adapter under `root` (a directory with an adapter_config.json): name -> LoRA rank.
+
+    Hidden directories are skipped: the trainer writes each export into a dot-prefixed temp dir
+    and renames it into place when it is complete. Symlinked directories are not followed.
+    """
+    adapters = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        if "adapter_config.json" in filenames:
+            path = Path(dirpath)
+            adapters[path.relative_to(root).as_posix()] = adapter_rank(path)
+    return adapters
+
+
+def adapter_rank(path: Path) -> int:
+    """The largest LoRA rank in a PEFT adapter (its `r`, or a per-module `rank_pattern` entry)."""
+    config_file = path / "adapter_config.json"
+    try:
+        config = json.loads(config_file.read_text())
+        return max([int(config["r"]), *map(int, (config.get("rank_pattern") or {}).values())])
+    except (ValueError, KeyError, TypeError) as e:
+        raise SystemExit(f"{config_file}: not a PEFT LoRA config ({e!r})")
+
+
+def choose_max_lora_rank(adapters: dict[str, int], requested: int | None) -> int:
+    """--max-lora-rank: the requested one if every adapter fits, else the smallest that fits all."""
+    needed = max(adapters.values(), default=0)
+    if requested is not None:
+        if requested not in VLLM_LORA_RANKS:
+            raise SystemExit(f"--max-lora-rank {requested}: vLLM accepts only {list(VLLM_LORA_RANKS)}")
+        too_big = {name: r for name, r in adapters.items() if r > requested}
+        if too_big:
+            raise SystemExit(f"--max-lora-rank {requested} is smaller than the rank of these adapters: "
+                             + ", ".join(f"{n} (rank {r})" for n, r in sorted(too_big.items()))
+                             + f". Pass --max-lora-rank {fitting_rank(needed)} or leave it out.")
+        return requested
+    return fitting_rank(needed) if adapters else DEFAULT_LORA_RANK
+
+
+def fitting_rank(rank: int) -> int:
+    fits = [r for r in VLLM_LORA_RANKS if r >= rank]
+    if not fits:
+        raise SystemExit(f"an adapter has rank {rank}; vLLM serves ranks up to {VLLM_LORA_RANKS[-1]}")
+    return fits[0]
+
+
+def adapter_dir(root: Path, name: str) -> Path | None:
+    """The adapter directory `name` names inside `root`, or None if it is not a safe, real one.
+
+    `name` is a relative path such as `step_20` or `run1/step_20`. Absolute paths, `..` and hidden
+    parts are refused outright; then the path is resolved (symlinks included) and must still lie
+    inside the root, so a link that leads out of it serves nothing.
+    """
+    parts = name.split("/")
+    if not name or name.startswith("/") or any(p in ("", ".", "..") or p.startswith(".") for p in parts):
+        return None
+    try:
+        root = root.resolve()
+        path = (root / name).resolve()
+        if path.is_relative_to(root) and (path / "adapter_config.json").is_file():
+            return path
+    except (OSError, ValueError, RuntimeError):  # a name too long, a NUL byte, a symlink loop
+        pass
+    return None
+
+
+# ----------------------------------------------------------------------------- the server
+
+def make_resolver(root: Path, served_name: str):
+    """A vLLM LoRA resolver: `<served_name>:<adapter>` -> a LoRARequest for <root>/<adapter>.
+
+    vLLM asks every registered resolver about a `model` it does not know yet (only with
+    VLLM_ALLOW_RUNTIME_LORA_UPDATING=1), loads what comes back, and remembers it under that name.
+    Returning None makes the request a 404.
+    """
+    from vllm.lora.request import LoRARequest
+    from vllm.lora.resolver import LoRAResolver
+
+    prefix = served_name + ":"
+
+    class AdapterRootResolver(LoRAResolver):
+        async def resolve_lora(self, base_model_name: str, lora_name: str):
+            if not lora_name.startswith(prefix):
+                return None
+            path = adapter_dir(root, lora_name[len(prefix):])
+            if path is None:
+                return None
+            # vLLM replaces the id with a fresh one of its own before loading
+            return LoRARequest(lora_name=lora_name, lora_int_id=1, lora_path=str(path))
+
+    return AdapterRootResolver()
+
+
+# vLLM's server carries many routes beyond the OpenAI API, and some do not fit a server whose
+# adapters come only from its root: runtime LoRA updating also switches on admin routes that load
+# an adapter from ANY path the caller names (/v1/load_lora_adapter, SageMaker's /adapters), and
+# SageMaker's /invocations generates outside the API key's reach (the key guards /v1 only). So
+# the server answers on these routes alone and 404s the rest.
+SERVED_ROUTES = {"/health", "/version", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions"}
+
+
+class ServedRoutesOnly:
+    """ASGI middleware: let requests for SERVED_ROUTES through, answer 404 to every other one."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        path = scope.get("path", "").removeprefix(scope.get("root_path", "")).rstrip("/")
+        if scope["type"] == "websocket":  # none of the served routes is one
+            return await send({"type": "websocket.close", "code": 1008})
+        if scope["type"] == "http" and path not in SERVED_ROUTES:
+            from starlette.responses import JSONResponse
+
+            body = {"error": {"message": f"{path or '/'} is not served here; routes: {sorted(SERVED_ROUTES)}",
+                              "type": "NotFoundError", "code": 404}}
+            return await JSONResponse(body, status_code=404)(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+
+def vllm_argv(args, max_lora_rank: int, extra: list[str]) -> list[str]:
+    """The command line of vLLM's OpenAI server for this configuration."""
+    on_gpu = torch.cuda.is_available()
+    argv = [
+        "--model", args.model, "--served-model-name", args.served_name,
+        "--host", args.host, "--port", str(args.port),
+        # fp32 on CPU: the same numbers as the trainer's in-process engine, so greedy replies match
+        "--dtype", "bfloat16" if on_gpu else "float32",
+        "--max-model-len", str(args.max_model_len),
+        "--limit-mm-per-prompt", json.dumps({"image": args.max_images, "video": 0}),
+        "--enable-prefix-caching",  # turn k's prompt is turn k-1's prompt + reply + new turn
+        "--enable-lora", "--max-lora-rank", str(max_lora_rank),
+        "--max-loras", str(args.max_loras), "--max-cpu-loras", str(args.max_cpu_loras),
+        "--middleware", f"{__name__}.ServedRoutesOnly",
+        "--seed", "0",
+    ]
+    if args.api_key:
+        argv += ["--api-key", args.api_key]
+    return argv + extra
+
+
+def serve(argv: list[str]):
+    parser = argparse.ArgumentParser(description="Serve a base model and its LoRA adapters (vLLM).")
+    parser.add_argument("--model", default="", help="HF model dir or id; default: the tiny model")
+    parser.add_argument("--adapters", required=True, help="adapter root: every adapter below it is servable")
+    parser.add_argument("--served-name", default="", help="the base model's name; default: the model dir's name")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--api-key", default=os.environ.get("VLLM_API_KEY", ""),
+                        help="require `Authorization: Bearer <key>` on /v1 (default: $VLLM_API_KEY)")
+    parser.add_argument("--max-loras", type=int, default=4, help="adapters in one batch")
+    parser.add_argument("--max-cpu-loras", type=int, default=16, help="adapters kept loaded")
+    parser.add_argument("--max-lora-rank", type=int, default=None,
+                        help="default: the largest rank under --adapters, rounded up to one vLLM accepts")
+    parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--max-images", type=int, default=16, help="images per conversation (one per turn)")
+    args, extra = parser.parse_known_args(argv)
+
+    if not args.model:
+        sys.path.insert(0, str(ROOT / "launch"))
+        from make_tiny_model import ensure_tiny_model
+
+        args.model = str(ensure_tiny_model())
+    args.served_name = args.served_name or Path(args.model.rstrip("/")).name
+    root = Path(args.adapters).resolve()
+    if not root.is_dir():
+        raise SystemExit(f"--adapters {args.adapters}: not a directory")
+    adapters = find_adapters(root)
+    max_lora_rank = choose_max_lora_rank(adapters, args.max_lora_rank)
+    print(f"[serve] {args.served_name} = {args.model}; {len(adapters)} adapters under {root} "
+          f"(serve as {args.served_name}:<adapter>), max LoRA rank {max_lora_rank}", flush=True)
+
+    # Adapters by name on first request. Only our resolver may find them: vLLM's own resolver
+    # plugins would look elsewhere (any local dir, the HF hub) if their variables were set.
+    os.environ["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
+    # The engine core always runs in a process of its own behind the server. rollout.py's
+    # VLLM_ENABLE_V1_MULTIPROCESSING=0 stays: on CPU it lets that process run the model itself
+    # instead of spawning one more worker process (start-up 30 s instead of 45 s here).
+    for variable in ("VLLM_LORA_RESOLVER_CACHE_DIR", "VLLM_LORA_RESOLVER_HF_REPO_LIST"):
+        os.environ.pop(variable, None)
+    from vllm.lora.resolver import LoRAResolverRegistry
+
+    LoRAResolverRegistry.register_resolver("adapter root", make_resolver(root, args.served_name))
+
+    import uvloop
+    from vllm.entrypoints.launchers.api_server.entry import run_server
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+    from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    cli_env_setup()  # what `vllm serve` does first (the engine core runs in a spawned process)
+    vllm_args = make_arg_parser(FlexibleArgumentParser()).parse_args(vllm_argv(args, max_lora_rank, extra))
+    validate_parsed_serve_args(vllm_args)
+    uvloop.run(run_server(vllm_args))
+
+
+# ----------------------------------------------------------------------------- eval over HTTP
+
+def http_replies(url: str, model: str, max_new_tokens: int, api_key: str = "", concurrency: int = 64,
+                 timeout_s: float = 600.0):
+    """reply_fn for `rollout.play_chat_episodes`: each conversation is one greedy chat request.
+
+    The requests of a turn go out concurrently (the server batches them) and come back in order.
+    """
+    from openai import OpenAI
+
+    client = OpenAI(base_url=url.rstrip("/") + "/v1", api_key=api_key or "none", timeout=timeout_s)
+
+    def reply(messages: list) -> str:
+        response = client.chat.completions.create(model=model, messages=messages, temperature=0.0,
+                                                  max_tokens=max_new_tokens)
+        return response.choices[0].message.content or ""
+
+    def reply_fn(conversations: list) -> list:
+        with ThreadPoolExecutor(max_workers=min(concurrency, len(conversations))) as pool:
+            return list(pool.map(reply, conversations))
+
+    return reply_fn
+
+
+def evaluate(url: str, model: str, *, difficulty: str = "small", n: int = 64, max_turns: int = 15,
+             max_new_tokens: int = 32, cell_px: int = env.CELL_PX_TINY, api_key: str = "",
+             concurrency: int = 64, progress: bool = True) -> dict:
+    """Greedy play of the eval mazes through the server; the rows of `train.evaluate`'s JSON."""
+    mazes = env.eval_mazes(difficulty, n)
+    episodes = rollout.play_chat_episodes(
+        mazes, http_replies(url, model, max_new_tokens, api_key, concurrency),
+        max_turns=max_turns, cell_px=cell_px, desc=f"eval {model}", progress=progress)
+    rows = [{"maze_index": i, "seed": e.maze.seed, "solved": e.solved, "turns": e.num_turns,
+             "end_reason": e.end_reason, "invalid_actions": e.invalid_actions, "replies": e.replies}
+            for i, e in enumerate(episodes)]
+    solved = sum(r["solved"] for r in rows)
+    return {"model": model, "difficulty": difficulty, "solved": solved, "total": len(rows),
+            "solve_rate": solved / len(rows), "mazes": rows}
+
+
+def eval_main(argv: list[str]):
+    parser = argparse.ArgumentParser(description="Play the eval mazes through a running server.")
+    parser.add_argument("--url", default="http://127.0.0.1:8000")
+    parser.add_argument("--model", required=True, help="<base> or <base>:<adapter>")
+    parser.add_argument("--difficulty", default="small", choices=list(env.DIFFICULTY_SIZES))
+    parser.add_argument("--n", type=int, default=64)
+    parser.add_argument("--max-turns", type=int, default=15)
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--cell-px", type=int, default=env.CELL_PX_TINY)
+    parser.add_argument("--api-key", default=os.environ.get("VLLM_API_KEY", ""))
+    parser.add_argument("--concurrency", type=int, default=64, help="requests in flight at once")
+    parser.add_argument("--out", default="", help="write the result JSON here")
+    args = parser.parse_args(argv)
+    from openai import APIError
+
+    try:
+        result = evaluate(args.url, args.model, difficulty=args.difficulty, n=args.n, max_turns=args.max_turns,
+                          max_new_tokens=args.max_new_tokens, cell_px=args.cell_px, api_key=args.api_key,
+                          concurrency=args.concurrency)
+    except APIError as e:  # unknown model, wrong key, server gone: say so, without a traceback
+        raise SystemExit(f"{args.url}: {e.message}")
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=1))
+    print(f"{args.model}: solved {result['solved']}/{result['total']}")
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["eval"]:
+        eval_main(sys.argv[2:])
+    else:
+        serve(sys.argv[1:])

@@ -1,0 +1,120 @@
+"""Rollouts keep tokens exactly: the trainer sees what vLLM saw, images included."""
+
+import torch
+from transformers import AutoProcessor, GenerationConfig, Qwen3VLForConditionalGeneration
+
+import env
+import grpo
+import rollout
+import train
+
+
+def _chat(tiny_model):
+    processor = AutoProcessor.from_pretrained(tiny_model)
+    return processor, rollout.ChatFormat(processor, GenerationConfig.from_pretrained(tiny_model).eos_token_id)
+
+
+def _play(engine, chat, temperature=1.0, **kw):
+    mazes = [env.generate_maze(7, seed=s) for s in (11, 12)]
+    args = dict(samples_per_maze=3, max_turns=4, max_new_tokens=6, max_model_len=4096,
+                temperature=temperature, seed=0, progress=False)
+    args.update(kw)
+    return rollout.play_episodes(engine, chat, mazes, [0, 1], **args)
+
+
+def test_sequences_line_up_with_the_processor(engine, tiny_model):
+    processor, chat = _chat(tiny_model)
+    episodes = _play(engine, chat)
+    assert len(episodes) == 6 and all(e.done for e in episodes)
+    for e in episodes:
+        n = len(e.token_ids)
+        assert len(e.response_mask) == n and len(e.rollout_logprobs) == n
+        # the masked-in segments are exactly the replies, in order
+        segments, current = [], []
+        for token, m in zip(e.token_ids, e.response_mask):
+            if m:
+                current.append(token)
+            elif current:
+                segments.append(current)
+                current = []
+        if current:
+            segments.append(current)
+        assert sum(len(s) for s in segments) == e.num_generated_tokens > 0
+        for segment, reply in zip(segments, e.replies, strict=True):
+            # vLLM's text drops a trailing incomplete UTF-8 byte sequence; the tokens keep it
+            decoded = processor.tokenizer.decode(segment, skip_special_tokens=True)
+            assert decoded.startswith(reply) and set(decoded[len(reply):]) <= {"\ufffd"}
+        # the unmasked part is the chat template's text for the observations, images expanded by
+        # the HF processor exactly as vLLM expanded them
+        first = processor(text=[processor.apply_chat_template([chat.user_turn(env.INSTRUCTIONS + "\n" + env.observation_text(0))],
+                                                              add_generation_prompt=True, tokenize=False)],
+                          images=[e.images[0]], return_tensors="pt")["input_ids"][0].tolist()
+        assert e.token_ids[:len(first)] == first
+        assert e.response_mask[:len(first)] == [0] * len(first)
+        vision = processor.image_processor(images=e.images, return_tensors="pt")
+        image_tokens = int(vision["image_grid_thw"].prod(-1).sum()) // 4
+        assert e.token_ids.count(processor.image_token_id) == image_tokens
+        assert len(e.images) == e.num_turns  # one image per turn played (the last state is not sent)
+
+
+def test_group_members_play_the_same_maze_with_different_samples(engine, tiny_model):
+    _, chat = _chat(tiny_model)
+    episodes = _play(engine, chat)
+    group0 = [e for e in episodes if e.group_id == 0]
+    assert len({e.maze.layout_key() for e in group0}) == 1
+    assert len({tuple(e.token_ids) for e in group0}) == 3  # diverse samples within a group
+    again = _play(engine, chat)  # seeded per episode and turn: reproducible
+    assert [e.token_ids for e in again] == [e.token_ids for e in episodes]
+
+
+def test_trainer_logprobs_match_vllm(engine, tiny_model):
+    """fp32 on CPU: the trainer's recomputed logprobs equal vLLM's sampling logprobs."""
+    processor, chat = _chat(tiny_model)
+    episodes = _play(engine, chat)
+    model = Qwen3VLForConditionalGeneration.from_pretrained(tiny_model, dtype=torch.float32)
+    batch = train.Batch(episodes, processor)
+    with torch.no_grad():
+        inputs, mask, rollout_lp = batch.micro(list(range(len(episodes))), torch.device("cpu"))
+        lp = train.sequence_logprobs(model, inputs)
+    mismatch = grpo.logprob_mismatch(lp, rollout_lp, mask)
+    assert mismatch["mismatch_abs_mean"] < 1e-4, mismatch
+    assert mask.sum() == sum(e.num_generated_tokens for e in episodes)
+
+
+def test_stop_conditions(engine, tiny_model):
+    _, chat = _chat(tiny_model)
+    # turn limit: the random model never stops on the goal
+    episodes = _play(engine, chat, max_turns=2)
+    assert {e.end_reason for e in episodes} == {"turn_limit"} and all(e.num_turns == 2 for e in episodes)
+    # per-turn token limit: replies are cut at max_new_tokens
+    assert all(e.num_generated_tokens <= 2 * 6 for e in episodes)
+    # context limit: a budget that fits two turns but not three
+    first = len(episodes[0].token_ids) // 2
+    limited = _play(engine, chat, max_turns=10, max_model_len=first * 2 + 20)
+    assert {e.end_reason for e in limited} == {"context_limit"}
+    assert all(e.num_turns < 10 for e in limited)
+
+
+def test_chat_episodes_parse_and_score():
+    """The eval path (chat messages) with a scripted replier: BFS answers solve every maze."""
+    mazes = env.eval_mazes("small", 4)
+    plans = {m.seed: env.solve(m) for m in mazes}
+    episodes = rollout.play_chat_episodes(mazes, lambda batch: _scripted(batch, mazes, plans),
+                                          max_turns=30, progress=False)
+    assert all(e.solved and e.end_reason == "stop" and e.reward == 1.0 for e in episodes)
+    assert [e.num_turns for e in episodes] == [len(plans[m.seed]) for m in mazes]
+    # a replier that always walks into garbage never solves and hits the turn limit
+    episodes = rollout.play_chat_episodes(mazes, lambda batch: ["no idea"] * len(batch), max_turns=3,
+                                          progress=False)
+    assert all(not e.solved and e.end_reason == "turn_limit" and e.invalid_actions == 3 for e in episodes)
+
+
+def _scripted(batch, mazes, plans):
+    """Answer each conversation from its maze's BFS plan (the maze is found by its first image)."""
+    first_images = {rollout.image_url(env.render(m, m.start)): m.seed for m in mazes}
+    replies = []
+    for conv in batch:
+        seed = first_images[conv[0]["content"][0]["image_url"]["url"]]
+        turn = sum(m["role"] == "assistant" for m in conv)
+        replies.append(f"<think>plan</think><answer>{plans[seed][turn]}</answer>")
+    return replies

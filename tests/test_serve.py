@@ -1,0 +1,328 @@
+"""serve.py: one real vLLM server on loopback, serving the tiny model and three adapters by name.
+
+The adapter root holds two hand-made adapters `a` and `b`, and a short training run in `run1/`
+whose export `run1/adapters/step_1` must replay, over HTTP, the eval the trainer logged for it.
+"""
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import get_args
+
+import pytest
+import torch
+
+import env
+import rollout
+import serve
+
+ROOT = Path(__file__).resolve().parent.parent
+PYTHON = sys.executable
+API_KEY = "test-key"
+START_TIMEOUT_S = 240
+REQUEST_TIMEOUT_S = 120
+# The trainer's flags for a one-step run that exports an adapter and evaluates it.
+TRAIN_ARGS = ["--steps", "1", "--prompts-per-step", "2", "--group-size", "2", "--eval-mazes", "8",
+              "--eval-interval", "1", "--export-interval", "1", "--max-turns", "4", "--max-new-tokens", "8",
+              "--progress", "false"]
+
+
+def make_adapter(model_dir: Path, out: Path, seed: int, rank: int = 8):
+    """A PEFT LoRA on the tiny model with random B (PEFT starts B at zero, i.e. no change)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import Qwen3VLForConditionalGeneration
+
+    model = Qwen3VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32)
+    torch.manual_seed(seed)
+    model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=rollout.LORA_TARGET_REGEX))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0.0, 0.5)
+    model.save_pretrained(str(out))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Client:
+    """Just enough HTTP to see status codes and bodies as they are, errors included."""
+
+    def __init__(self, url: str):
+        self.url = url
+
+    def request(self, path: str, body=None, key: str | None = API_KEY, method: str = "POST"):
+        data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
+        headers = {"Content-Type": "application/json"}
+        if key:
+            headers["Authorization"] = f"Bearer {key}"
+        request = urllib.request.Request(self.url + path, data=data, headers=headers, method=method)
+        try:
+            with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT_S) as response:
+                return response.status, json.loads(response.read() or b"null")
+        except urllib.error.HTTPError as e:
+            return e.code, e.read().decode(errors="replace")
+
+    def chat(self, model: str, messages: list, max_tokens: int = 16, key: str | None = API_KEY):
+        return self.request("/v1/chat/completions", {"model": model, "messages": messages,
+                                                     "temperature": 0.0, "max_tokens": max_tokens}, key)
+
+    def reply(self, model: str, messages: list, max_tokens: int = 16) -> str:
+        status, body = self.chat(model, messages, max_tokens)
+        assert status == 200, f"{model}: {status} {body}"
+        return body["choices"][0]["message"]["content"]
+
+
+def first_turns(n: int) -> list:
+    """The opening conversation of the first n eval mazes (instructions + image)."""
+    conversations = []
+    for maze in env.eval_mazes("small", n):
+        obs = env.MazeEnv(maze).reset()
+        conversations.append([rollout.chat_user_message(env.INSTRUCTIONS + "\n" + obs.text, obs.image)])
+    return conversations
+
+
+# ----------------------------------------------------------------------------- fixtures
+
+@pytest.fixture(scope="module")
+def adapter_root(tmp_path_factory, tiny_model) -> Path:
+    """<root>/{a, b, run1/...} plus two links: `inside` -> a, and `escape` -> an adapter outside."""
+    root = tmp_path_factory.mktemp("adapters")
+    outside = tmp_path_factory.mktemp("outside")
+    # the short training run goes first, in the background: it is the slowest part
+    log_path = tmp_path_factory.mktemp("trainer") / "train.log"
+    with open(log_path, "w") as log:
+        trainer = subprocess.Popen([PYTHON, "train.py", *TRAIN_ARGS, "--out-dir", str(root / "run1")], cwd=ROOT,
+                                   stdout=log, stderr=subprocess.STDOUT)
+    make_adapter(tiny_model, root / "a", seed=1)
+    make_adapter(tiny_model, root / "b", seed=2)
+    shutil.copytree(root / "a", outside / "stolen")
+    (root / "inside").symlink_to(root / "a")
+    (root / "escape").symlink_to(outside / "stolen")
+    trainer.wait(timeout=300)
+    assert trainer.returncode == 0, log_path.read_text()[-5000:]
+    assert (root / "run1" / "adapters" / "step_1" / "adapter_config.json").exists()
+    return root
+
+
+@pytest.fixture(scope="module")
+def server(adapter_root, tiny_model, tmp_path_factory):
+    """`python serve.py` on a free loopback port with an API key; yields a Client."""
+    port = free_port()
+    log_path = tmp_path_factory.mktemp("server") / "server.log"
+    log = open(log_path, "w")
+    process = subprocess.Popen([PYTHON, "serve.py", "--adapters", str(adapter_root), "--port", str(port),
+                                "--api-key", API_KEY, "--max-loras", "2", "--max-cpu-loras", "4"],
+                               cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    client = Client(f"http://127.0.0.1:{port}")
+    try:
+        deadline = time.time() + START_TIMEOUT_S
+        while True:
+            if process.poll() is not None:
+                pytest.fail(f"server exited with {process.returncode}:\n{log_path.read_text()[-5000:]}")
+            try:
+                if client.request("/health", method="GET", key=None)[0] == 200:
+                    break
+            except OSError:
+                pass  # not listening yet
+            if time.time() > deadline:
+                pytest.fail(f"no /health after {START_TIMEOUT_S}s:\n{log_path.read_text()[-5000:]}")
+            time.sleep(1)
+        yield client
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        log.close()
+
+
+@pytest.fixture(scope="module")
+def base(tiny_model) -> str:
+    return tiny_model.name  # the served name: the model directory's name
+
+
+# ----------------------------------------------------------------------------- serving
+
+def test_base_and_adapter_answer_a_chat_with_an_image(server, base):
+    messages = first_turns(1)[0]
+    base_reply = server.reply(base, messages)
+    adapter_reply = server.reply(f"{base}:a", messages)
+    assert base_reply and adapter_reply
+    assert adapter_reply != base_reply
+    assert server.reply(f"{base}:inside", messages) == adapter_reply  # a link that stays inside the root
+
+
+def offline_adapter(adapter_root: Path, name: str):
+    """The in-process engine's request for adapter `name`, under an id no other test uses (vLLM
+    keeps the first adapter it saw under an id)."""
+    from vllm.lora.request import LoRARequest
+
+    return LoRARequest(f"serve-test-{name}", {"a": 901, "b": 902}[name], str(adapter_root / name))
+
+
+def test_trainer_export_replays_the_trainer_eval(server, base, adapter_root):
+    logged = json.loads((adapter_root / "run1" / "eval" / "step_1.json").read_text())
+    model = f"{base}:run1/adapters/step_1"
+    result = serve.evaluate(server.url, model, difficulty="small", n=8, max_turns=4, max_new_tokens=8,
+                            api_key=API_KEY, progress=False)
+    assert (result["solved"], result["total"]) == (logged["solved"], logged["total"])
+    # the tiny model solves nothing, so the replies are the real check: every maze, every turn
+    for ours, theirs in zip(result["mazes"], logged["mazes"]):
+        assert ours["replies"] == theirs["replies"], f"maze {ours['maze_index']}"
+    assert result["mazes"] == logged["mazes"]
+    assert model in {m["id"] for m in server.request("/v1/models", method="GET")[1]["data"]}
+    # NB: with no maze solved every GRPO advantage is 0, so this export's LoRA B is still all
+    # zeros and it answers like the base model; the next test plays an adapter that does not.
+
+
+def test_eval_over_http_matches_the_in_process_eval(server, base, adapter_root, engine):
+    kwargs = dict(max_turns=4, progress=False)
+    mazes = env.eval_mazes("small", 8)
+    offline = rollout.play_chat_episodes(
+        mazes, rollout.engine_replies(engine, offline_adapter(adapter_root, "a"), 8), **kwargs)
+    served = rollout.play_chat_episodes(
+        mazes, serve.http_replies(server.url, f"{base}:a", 8, api_key=API_KEY), **kwargs)
+    base_replies = json.loads((adapter_root / "run1" / "eval" / "step_1.json").read_text())["mazes"]
+    assert [e.replies for e in served] == [e.replies for e in offline]
+    assert [e.replies for e in served] != [r["replies"] for r in base_replies]
+
+
+def test_two_adapters_side_by_side_match_offline_greedy(server, base, adapter_root, engine):
+    from vllm import SamplingParams
+
+    conversations = first_turns(4)
+    offline = {name: [o.outputs[0].text for o in engine.chat(
+        conversations, SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False,
+        lora_request=offline_adapter(adapter_root, name))] for name in ("a", "b")}
+    assert offline["a"] != offline["b"]
+
+    requests = [(name, i) for i in range(len(conversations)) for name in ("a", "b")]  # a, b, a, b, ...
+    with ThreadPoolExecutor(max_workers=len(requests)) as pool:
+        replies = list(pool.map(lambda r: server.reply(f"{base}:{r[0]}", conversations[r[1]]), requests))
+    for (name, i), reply in zip(requests, replies):
+        assert reply == offline[name][i], f"adapter {name}, conversation {i}"
+
+
+def test_64_concurrent_requests_are_all_answered(server, base):
+    conversations = first_turns(8)
+    requests = [(model, i % len(conversations)) for i, model in
+                zip(range(64), [base, f"{base}:a", f"{base}:b", base] * 16)]
+    with ThreadPoolExecutor(max_workers=64) as pool:
+        answers = list(pool.map(lambda r: server.chat(r[0], conversations[r[1]], max_tokens=8), requests))
+    assert [status for status, _ in answers] == [200] * 64
+    # greedy: the same model and conversation must give the same reply, however the batch fell
+    replies = {}
+    for request, (_, body) in zip(requests, answers):
+        assert body["usage"]["completion_tokens"] > 0
+        replies.setdefault(request, set()).add(body["choices"][0]["message"]["content"])
+    assert all(len(r) == 1 for r in replies.values()), replies
+
+
+# ----------------------------------------------------------------------------- refusals
+
+def test_bad_requests_get_a_clear_4xx_and_the_server_keeps_serving(server, base, adapter_root, tiny_model):
+    messages = [{"role": "user", "content": "hello"}]
+    expect_404 = [f"{base}:nope", f"{base}:../x", f"{base}:a/../b", f"{base}:/etc", f"{base}:escape",
+                  f"{base}:", "nope:a", "a", f"{base}:a\0", f"{base}:" + "x" * 5000]
+    for model in expect_404:
+        status, body = server.chat(model, messages)
+        assert status == 404 and "does not exist" in body, (model, status, body)
+        assert server.chat(base, messages, max_tokens=2)[0] == 200
+
+    # adapters that appear after start-up and cannot be loaded: too big a rank, no weights
+    make_adapter(tiny_model, adapter_root / "late" / "rank16", seed=3, rank=16)
+    write_config(adapter_root / "late" / "no_weights", 8)
+    for name in ("late/rank16", "late/no_weights"):
+        status, body = server.chat(f"{base}:{name}", messages)
+        assert status == 400 and "could not be loaded" in body, (name, status, body)
+        assert server.chat(base, messages, max_tokens=2)[0] == 200
+
+    assert server.chat(base, messages, key=None)[0] == 401
+    assert server.chat(base, messages, key="wrong")[0] == 401
+    status, body = server.request("/v1/chat/completions", b'{"model": "' + base.encode() + b'", "messages": [')
+    assert status == 400 and "JSON" in body
+    # routes that would load an adapter from any path, or generate without the key, are not served
+    adapter_a = {"lora_name": "x", "lora_path": "/tmp"}
+    for path, body in [("/v1/load_lora_adapter", adapter_a), ("/adapters", {"name": "x", "src": "/tmp"}),
+                       ("/invocations", {"model": base, "messages": messages})]:
+        assert server.request(path, body, key=None)[0] == 404, path
+        assert server.request(path, body)[0] == 404, path
+
+    status, models = server.request("/v1/models", method="GET")
+    assert status == 200
+    served = {m["id"] for m in models["data"]}
+    assert base in served and not any("escape" in m or ".." in m for m in served)
+    assert server.reply(base, messages, max_tokens=2) is not None
+
+
+# ----------------------------------------------------------------------------- start-up checks (no server)
+
+def write_config(path: Path, rank: int, **extra):
+    path.mkdir(parents=True)
+    (path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": rank, **extra}))
+
+
+def test_max_lora_rank_must_fit_every_adapter(tmp_path):
+    write_config(tmp_path / "small", 8)
+    write_config(tmp_path / "run1" / "big", 16)
+    write_config(tmp_path / ".big.tmp-1234", 64)  # a trainer export still being written: ignored
+    adapters = serve.find_adapters(tmp_path)
+    assert adapters == {"small": 8, "run1/big": 16}
+    assert serve.choose_max_lora_rank(adapters, None) == 16
+    assert serve.choose_max_lora_rank(adapters, 32) == 32
+    with pytest.raises(SystemExit, match=r"--max-lora-rank 8 .*run1/big \(rank 16\)"):
+        serve.choose_max_lora_rank(adapters, 8)
+    assert serve.choose_max_lora_rank({"odd": 12}, None) == 16  # rounded up to a rank vLLM accepts
+    assert serve.choose_max_lora_rank({"per-module": 8}, None) == 8
+    write_config(tmp_path / "patterned", 8, rank_pattern={"q_proj": 32})
+    assert serve.find_adapters(tmp_path)["patterned"] == 32
+    with pytest.raises(SystemExit, match="vLLM accepts only"):
+        serve.choose_max_lora_rank(adapters, 12)
+
+
+def test_start_up_fails_clearly_when_an_adapter_is_too_big(tmp_path):
+    write_config(tmp_path / "big", 16)
+    result = subprocess.run([PYTHON, "serve.py", "--adapters", str(tmp_path), "--max-lora-rank", "8"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0
+    assert "--max-lora-rank 8 is smaller than the rank of these adapters: big (rank 16)" in result.stderr
+
+
+def test_our_rank_list_is_vllms():
+    from vllm.config.lora import MaxLoRARanks
+
+    assert serve.VLLM_LORA_RANKS == get_args(MaxLoRARanks)
+
+
+def test_adapter_names_resolve_only_inside_the_root(tmp_path):
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    write_config(root / "a", 8)
+    write_config(root / "run1" / "step_20", 8)
+    write_config(outside / "x", 8)
+    (root / "inside").symlink_to(root / "a")
+    (root / "escape").symlink_to(outside / "x")
+    (root / "escape_dir").symlink_to(outside)
+    (root / "empty").mkdir()
+    (root / "loop").symlink_to(root / "loop")
+    assert serve.adapter_dir(root, "a") == (root / "a").resolve()
+    assert serve.adapter_dir(root, "run1/step_20") == (root / "run1" / "step_20").resolve()
+    assert serve.adapter_dir(root, "inside") == (root / "a").resolve()
+    for name in ["", "/", "nope", "empty", "run1", "../outside/x", "a/../a", "./a", "a/", "/etc",
+                 str(outside / "x"), "escape", "escape_dir/x", ".hidden", "run1//step_20", "loop",
+                 "loop/x", "a\0", "x" * 5000]:
+        assert serve.adapter_dir(root, name) is None, name
