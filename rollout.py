@@ -91,21 +91,22 @@ class ChatFormat:
         self._image_tokens = {}  # image size -> number of tokens the image expands to
 
     @staticmethod
-    def user_turn(text: str):
-        return {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": text}]}
+    def user_turn(text: str, with_image: bool = True):
+        image = [{"type": "image"}] if with_image else []
+        return {"role": "user", "content": image + [{"type": "text", "text": text}]}
 
     def _ids(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
-    def first_turn(self, observation_text: str) -> list[int]:
-        message = self.user_turn(env.INSTRUCTIONS + "\n" + observation_text)
+    def first_turn(self, observation_text: str, with_image: bool = True) -> list[int]:
+        message = self.user_turn(env.INSTRUCTIONS + "\n" + observation_text, with_image)
         return self._ids(self.processor.apply_chat_template([message], add_generation_prompt=True,
                                                             tokenize=False))
 
-    def next_turn(self, observation_text: str, reply_ids: list[int]) -> list[int]:
+    def next_turn(self, observation_text: str, reply_ids: list[int], with_image: bool = True) -> list[int]:
         """Ids that close the assistant reply (unless it ended itself) and open the next turn."""
         conversation = [self.user_turn("x"), {"role": "assistant", "content": self.MARK},
-                        self.user_turn(observation_text)]
+                        self.user_turn(observation_text, with_image)]
         text = self.processor.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
         after_reply = text[text.index(self.MARK) + len(self.MARK):]
         if reply_ids and reply_ids[-1] in self.eos_token_ids:
@@ -114,6 +115,13 @@ class ChatFormat:
             if after_reply.startswith(eos_text):
                 after_reply = after_reply[len(eos_text):]
         return self._ids(after_reply)
+
+    def expand(self, ids: list[int], images: list) -> list[int]:
+        """What vLLM and the HF processor do to a prompt: one <|image_pad|> -> one per patch."""
+        out, images = [], iter(images)
+        for t in ids:
+            out += [t] * self.image_tokens(next(images)) if t == self.image_token_id else [t]
+        return out
 
     def image_tokens(self, image) -> int:
         """How many tokens one image expands to (one per merged patch)."""
@@ -125,15 +133,24 @@ class ChatFormat:
 
 
 @dataclass
+class Sequence:
+    """One training sequence, exactly as the engine saw it (images expanded)."""
+    token_ids: list
+    response_mask: list  # 1 on generated tokens
+    rollout_logprobs: list  # vLLM's sampling logprob of each generated token, 0 elsewhere
+    images: list  # the images whose tokens appear in token_ids, in order
+
+
+@dataclass
 class Episode:
     maze: env.Maze
     group_id: int  # members of a GRPO group play the same maze and share this id
     sample_id: int  # globally unique, seeds this episode's sampling
-    prompt_ids: list = field(default_factory=list)  # engine input: one <|image_pad|> per image
-    token_ids: list = field(default_factory=list)  # trainer input: images expanded
-    response_mask: list = field(default_factory=list)
-    rollout_logprobs: list = field(default_factory=list)
-    images: list = field(default_factory=list)
+    user_turns: list = field(default_factory=list)  # unexpanded ids of each user turn, with its image
+    user_turns_text_only: list = field(default_factory=list)  # the same turns without the image
+    reply_ids: list = field(default_factory=list)  # generated ids of each reply, exactly
+    images: list = field(default_factory=list)  # the state image of each user turn
+    sequences: list = field(default_factory=list)  # what the trainer trains on
     replies: list = field(default_factory=list)  # decoded text of each reply, for logs and eval
     reward: float = 0.0
     solved: bool = False
@@ -148,20 +165,36 @@ class Episode:
 
     @property
     def num_generated_tokens(self) -> int:
-        return sum(self.response_mask)
+        return sum(len(r) for r in self.reply_ids)
 
-    def expanded_length(self, chat: ChatFormat) -> int:
-        return len(self.prompt_ids) + sum(chat.image_tokens(im) - 1 for im in self.images)
+    def next_prompt(self, max_images: int | None) -> tuple[list, list]:
+        """The engine input for the next reply: all turns so far, images only for the last k."""
+        first_with_image = len(self.user_turns) - max_images if max_images else 0
+        ids, images = [], []
+        for t, (with_image, text_only) in enumerate(zip(self.user_turns, self.user_turns_text_only)):
+            if t >= first_with_image:
+                ids += with_image
+                images.append(self.images[t])
+            else:
+                ids += text_only
+            if t < len(self.reply_ids):
+                ids += self.reply_ids[t]
+        return ids, images
 
 
 def play_episodes(engine, chat: ChatFormat, mazes: list, group_ids: list, *, samples_per_maze: int,
                   max_turns: int, max_new_tokens: int, max_model_len: int, temperature: float,
                   seed: int, lora_request=None, cell_px: int = env.CELL_PX_TINY,
-                  desc: str = "rollout", progress: bool = True) -> list:
+                  max_images: int | None = None, desc: str = "rollout", progress: bool = True) -> list:
     """Play every maze `samples_per_maze` times to the end; return the finished episodes.
 
     `group_ids` must be unique across the whole run (and across ranks): with the member index
     they give each episode the id that seeds its sampling.
+
+    Full history (`max_images=None`): every prompt extends the previous one, so an episode is ONE
+    training sequence with every reply masked in. With `max_images=k` only the last k user turns
+    keep their image (older turns keep their text); earlier prompts then are no longer prefixes
+    of later ones, so every turn becomes its own sequence: its prompt as sent plus its reply.
     """
     from vllm import SamplingParams
 
@@ -171,8 +204,9 @@ def play_episodes(engine, chat: ChatFormat, mazes: list, group_ids: list, *, sam
             episode = Episode(maze=maze, group_id=group_id, sample_id=group_id * samples_per_maze + member)
             game = env.MazeEnv(maze, max_turns=max_turns, cell_px=cell_px)
             obs = game.reset()
-            episode.prompt_ids = chat.first_turn(obs.text)
-            episode.images = [obs.image]
+            episode.user_turns.append(chat.first_turn(obs.text))
+            episode.user_turns_text_only.append(chat.first_turn(obs.text, with_image=False) if max_images else [])
+            episode.images.append(obs.image)
             episodes.append(episode)
             games.append(game)
 
@@ -190,24 +224,36 @@ def play_episodes(engine, chat: ChatFormat, mazes: list, group_ids: list, *, sam
     bar = tqdm(total=len(episodes), desc=desc, unit="ep", disable=not progress, leave=False)
     turn = 0
     while active := [i for i, e in enumerate(episodes) if not e.done]:
-        prompts = [{"prompt_token_ids": episodes[i].prompt_ids,
-                    "multi_modal_data": {"image": episodes[i].images}} for i in active]
+        prompts = []
+        for i in active:
+            ids, images = episodes[i].next_prompt(max_images)
+            prompts.append({"prompt_token_ids": ids, "multi_modal_data": {"image": images}})
         params = [sampling_params(episodes[i], turn) for i in active]
         outputs = engine.generate(prompts, params, lora_request=lora_request, use_tqdm=False)
-        for i, out in zip(active, outputs):
+        for i, prompt, out in zip(active, prompts, outputs):
             episode, game, completion = episodes[i], games[i], out.outputs[0]
             reply_ids = list(completion.token_ids)
-            expanded_prompt = list(out.prompt_token_ids)
-            # The engine's view of the history must extend ours token for token.
-            assert expanded_prompt[:len(episode.token_ids)] == episode.token_ids, "token drift"
-            new_prompt = len(expanded_prompt) - len(episode.token_ids)
+            expanded_prompt = list(out.prompt_token_ids)  # vLLM expanded the image placeholders
+            images = prompt["multi_modal_data"]["image"]
+            assert expanded_prompt == chat.expand(prompt["prompt_token_ids"], images), "expansion differs"
             if completion.logprobs is not None:
                 reply_logprobs = [lp[t].logprob for lp, t in zip(completion.logprobs, reply_ids)]
-            else:  # greedy eval does not ask for logprobs
+            else:  # greedy play does not ask for logprobs
                 reply_logprobs = [0.0] * len(reply_ids)
-            episode.token_ids = expanded_prompt + reply_ids
-            episode.response_mask += [0] * new_prompt + [1] * len(reply_ids)
-            episode.rollout_logprobs += [0.0] * new_prompt + reply_logprobs
+            if max_images is None and episode.sequences:
+                # full history: the engine's prompt extends our sequence token for token
+                seq = episode.sequences[0]
+                assert expanded_prompt[:len(seq.token_ids)] == seq.token_ids, "token drift"
+                new = len(expanded_prompt) - len(seq.token_ids)
+                seq.token_ids = expanded_prompt + reply_ids
+                seq.response_mask += [0] * new + [1] * len(reply_ids)
+                seq.rollout_logprobs += [0.0] * new + reply_logprobs
+                seq.images = images
+            else:
+                episode.sequences.append(Sequence(
+                    expanded_prompt + reply_ids, [0] * len(expanded_prompt) + [1] * len(reply_ids),
+                    [0.0] * len(expanded_prompt) + reply_logprobs, images))
+            episode.reply_ids.append(reply_ids)
             episode.replies.append(completion.text)
             episode.truncated_replies += completion.finish_reason == "length"
 
@@ -218,9 +264,12 @@ def play_episodes(engine, chat: ChatFormat, mazes: list, group_ids: list, *, sam
                 episode.end_reason = game.end_reason
                 bar.update(1)
                 continue
-            episode.prompt_ids = episode.prompt_ids + reply_ids + chat.next_turn(obs.text, reply_ids)
-            episode.images = episode.images + [obs.image]
-            if episode.expanded_length(chat) + max_new_tokens > max_model_len:
+            episode.user_turns.append(chat.next_turn(obs.text, reply_ids))
+            episode.user_turns_text_only.append(chat.next_turn(obs.text, reply_ids, with_image=False)
+                                                if max_images else [])
+            episode.images.append(obs.image)
+            ids, images = episode.next_prompt(max_images)
+            if len(chat.expand(ids, images)) + max_new_tokens > max_model_len:
                 episode.done, episode.end_reason = True, "context_limit"
                 bar.update(1)
         turn += 1
@@ -258,8 +307,19 @@ def engine_replies(engine, lora_request, max_new_tokens: int, banned_token_ids=(
     return reply_fn
 
 
+def drop_old_images(conversation: list, max_images: int | None) -> list:
+    """The conversation with image parts removed from all but the last k user turns."""
+    if not max_images:
+        return conversation
+    user_turns = [i for i, m in enumerate(conversation) if m["role"] == "user"]
+    keep = set(user_turns[-max_images:])
+    return [m if m["role"] != "user" or i in keep else
+            {"role": "user", "content": [p for p in m["content"] if p["type"] != "image_url"]}
+            for i, m in enumerate(conversation)]
+
+
 def play_chat_episodes(mazes: list, reply_fn, *, max_turns: int, cell_px: int = env.CELL_PX_TINY,
-                       desc: str = "eval", progress: bool = True) -> list:
+                       max_images: int | None = None, desc: str = "eval", progress: bool = True) -> list:
     """Play each maze once, every turn asking `reply_fn` for all active conversations at once."""
     episodes, games, conversations = [], [], []
     for i, maze in enumerate(mazes):
@@ -270,7 +330,7 @@ def play_chat_episodes(mazes: list, reply_fn, *, max_turns: int, cell_px: int = 
         conversations.append([chat_user_message(env.INSTRUCTIONS + "\n" + obs.text, obs.image)])
     bar = tqdm(total=len(mazes), desc=desc, unit="maze", disable=not progress, leave=False)
     while active := [i for i, e in enumerate(episodes) if not e.done]:
-        replies = reply_fn([conversations[i] for i in active])
+        replies = reply_fn([drop_old_images(conversations[i], max_images) for i in active])
         for i, reply in zip(active, replies):
             episode, game = episodes[i], games[i]
             episode.replies.append(reply)
@@ -296,9 +356,11 @@ def rollout_metrics(episodes: list) -> dict:
         "solve_rate": sum(e.solved for e in episodes) / n,
         "episode_turns": turns / n,
         "generated_tokens": sum(e.num_generated_tokens for e in episodes),
+        "sequences_per_episode": sum(len(e.sequences) for e in episodes) / n,
         "invalid_action_rate": sum(e.invalid_actions for e in episodes) / max(turns, 1),
         "truncated_reply_rate": sum(e.truncated_replies for e in episodes) / max(turns, 1),
-        "sequence_tokens_mean": sum(len(e.token_ids) for e in episodes) / n,
+        "sequence_tokens_mean": sum(len(s.token_ids) for e in episodes for s in e.sequences)
+        / max(sum(len(e.sequences) for e in episodes), 1),
     }
     for reason in ("stop", "turn_limit", "context_limit"):
         metrics[f"end_{reason}"] = sum(e.end_reason == reason for e in episodes) / n

@@ -12,8 +12,10 @@ LoRA on, and every adapter under the adapter root servable by name, loaded on it
     "model": "tiny-qwen3-vl:run1/step_20"    <adapter root>/run1/step_20
 
 Loaded adapters stay cached: up to --max-loras take part in one batch, --max-cpu-loras are kept in
-memory, and older ones are reloaded from disk when asked for again. Adapters are only ever read from
-inside the root, and the routes that would load one from any other path are switched off.
+memory, and older ones are reloaded from disk when asked for again. A name keeps the weights it
+first loaded, so new weights need a new name (the trainer exports each step to its own directory).
+Adapters are only ever read from inside the root, and the routes that would load one from any
+other path are switched off.
 
 The eval client plays `env.eval_mazes` exactly like the trainer's greedy eval (`train.evaluate`):
 the same conversations, the same parsing and turn limit, only the replies come over HTTP. It writes
@@ -236,9 +238,41 @@ def serve(argv: list[str]):
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     cli_env_setup()  # what `vllm serve` does first (the engine core runs in a spawned process)
+    if not torch.cuda.is_available():
+        fix_cpu_lora_for_base_requests()  # here too, for an engine core forked instead of spawned
     vllm_args = make_arg_parser(FlexibleArgumentParser()).parse_args(vllm_argv(args, max_lora_rank, extra))
     validate_parsed_serve_args(vllm_args)
     uvloop.run(run_server(vllm_args))
+
+
+# A vLLM bug on CPU, and its fix. Each token in a batch carries the slot of its adapter, or -1
+# for none (a base-model request). The GPU kernels skip -1; the PyTorch ops used on CPU index
+# the stacked adapter weights with it, and -1 picks the LAST slot. So once that slot holds an
+# adapter, base-model requests silently get its delta: every token when batched beside adapter
+# requests, and the generated ones even when alone. (Upstream: vllm-project/vllm#48421, open as
+# of vLLM 0.32.) The fix: give the ops one more slot, all zeros, at the end, where -1 then
+# points. Harmless once vLLM fixes it; remove it then.
+
+def _with_zero_last_slot(op):
+    def op_with_zero_slot(inputs, lora_weights, output, lora_indices, *args, **kwargs):
+        if bool((lora_indices < 0).any()):
+            zero_slot = lora_weights.new_zeros((1, *lora_weights.shape[1:]))
+            lora_weights = torch.cat([lora_weights, zero_slot])
+        return op(inputs, lora_weights, output, lora_indices, *args, **kwargs)
+
+    return op_with_zero_slot
+
+
+def fix_cpu_lora_for_base_requests():
+    """Patch the three ops wherever they are looked up (the sgmv ops call them by module name)."""
+    from vllm.lora.ops import torch_ops
+    from vllm.lora.ops.torch_ops import lora_ops
+    from vllm.lora.punica_wrapper import punica_cpu
+
+    for name in ("bgmv_shrink", "bgmv_expand", "bgmv_expand_slice"):
+        fixed = _with_zero_last_slot(getattr(lora_ops, name))
+        for module in (lora_ops, torch_ops, punica_cpu):
+            setattr(module, name, fixed)
 
 
 # ----------------------------------------------------------------------------- eval over HTTP
@@ -307,6 +341,11 @@ def eval_main(argv: list[str]):
         Path(args.out).write_text(json.dumps(result, indent=1))
     print(f"{args.model}: solved {result['solved']}/{result['total']}")
 
+
+# The model runs in vLLM's engine core, a process the server spawns, which re-runs this file
+# under the name __mp_main__ (before anything else): that is how the CPU fix gets in there.
+if __name__ == "__mp_main__" and not torch.cuda.is_available():
+    fix_cpu_lora_for_base_requests()
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["eval"]:

@@ -22,6 +22,7 @@ import math
 import os
 import random
 import shutil
+import signal
 import socket
 import time
 import uuid
@@ -53,6 +54,7 @@ class Config:
     max_turns: int = 15
     max_new_tokens: int = 32  # per turn
     max_model_len: int = 4096
+    max_images: int = 0  # keep only the last k images in the conversation; 0: full history
     # GRPO
     steps: int = 20
     prompts_per_step: int = 8  # mazes per step over all ranks; each is played group_size times
@@ -143,6 +145,14 @@ def init_distributed() -> tuple[int, int, int]:
     return dist.get_rank(), dist.get_world_size(), int(os.environ["LOCAL_RANK"])
 
 
+def metrics_step(line: str) -> int | None:
+    """The step of a metrics.jsonl line; None for a blank line or one torn by a crash mid-write."""
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError):
+        return None
+
+
 def log0(*args):
     if dist.get_rank() == 0:
         tqdm.write(" ".join(str(a) for a in args))
@@ -190,28 +200,44 @@ def atomic_write_text(path: Path, text: str):
     os.replace(tmp, path)
 
 
+def fsync_path(path: Path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def fsync_dir(path: Path):
     for p in [*path.rglob("*"), path]:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        fsync_path(p)
+
+
+def remove_dir(path: Path):
+    """Delete a dir without ever showing a half-deleted one under its name: hide it, then delete."""
+    trash = path.with_name(f".{path.name}.trash-{uuid.uuid4().hex[:8]}")
+    os.replace(path, trash)
+    shutil.rmtree(trash, ignore_errors=True)
 
 
 def publish_dir(tmp: Path, final: Path):
     """Make a fully written temp dir visible under its final name in one rename."""
     fsync_dir(tmp)
     if final.exists():
-        shutil.rmtree(final)
+        remove_dir(final)
     os.replace(tmp, final)
+    fsync_path(final.parent)  # the rename itself is on disk before anything (`latest`) names it
 
 
 def prune(parent: Path, prefix: str, keep: int):
+    """Keep the newest `keep` <prefix><N> dirs. Call only from the one process that writes `parent`:
+    it also deletes the hidden temp dirs of writes that a crash cut short."""
+    for stale in parent.glob(f".{prefix}*"):
+        shutil.rmtree(stale, ignore_errors=True)
     done = sorted((p for p in parent.glob(prefix + "*") if p.name[len(prefix):].isdigit()),
                   key=lambda p: int(p.name[len(prefix):]))
     for old in done[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+        remove_dir(old)
 
 
 # ----------------------------------------------------------------------------- the policy
@@ -310,36 +336,41 @@ def sync_adapter(model, engine, shared: Path, step: int, keep: int):
 # ----------------------------------------------------------------------------- trainer-side logprobs
 
 class Batch:
-    """The step's episodes as trainer tensors (each episode's images processed once)."""
+    """Training sequences as trainer tensors (each distinct image processed once)."""
 
-    def __init__(self, episodes, processor):
-        self.episodes = episodes
-        self.vision = []
-        for e in episodes:
-            v = processor.image_processor(images=e.images, return_tensors="pt")
-            self.vision.append((v["pixel_values"], v["image_grid_thw"]))
+    def __init__(self, sequences, processor):
+        self.sequences = sequences
+        self.processor = processor
+        self._vision = {}  # id(image) -> (pixel_values, grid_thw); turns share images
         self.image_token_id = processor.image_token_id
         self.pad_id = processor.tokenizer.pad_token_id or 0
 
+    def _pixels(self, image):
+        if id(image) not in self._vision:
+            v = self.processor.image_processor(images=[image], return_tensors="pt")
+            self._vision[id(image)] = (v["pixel_values"], v["image_grid_thw"])
+        return self._vision[id(image)]
+
     def micro(self, idx: list[int], device):
-        """Right-padded inputs for the episodes `idx`; targets are shifted by one."""
-        T = max(len(self.episodes[i].token_ids) for i in idx)
+        """Right-padded inputs for the sequences `idx`; targets are shifted by one."""
+        seqs = [self.sequences[i] for i in idx]
+        T = max(len(s.token_ids) for s in seqs)
         ids = torch.full((len(idx), T), self.pad_id, dtype=torch.long)
         attn = torch.zeros((len(idx), T), dtype=torch.long)
         mask = torch.zeros((len(idx), T), dtype=torch.float32)
         rollout_lp = torch.zeros((len(idx), T), dtype=torch.float32)
-        for row, i in enumerate(idx):
-            e = self.episodes[i]
-            n = len(e.token_ids)
-            ids[row, :n] = torch.tensor(e.token_ids)
+        for row, s in enumerate(seqs):
+            n = len(s.token_ids)
+            ids[row, :n] = torch.tensor(s.token_ids)
             attn[row, :n] = 1
-            mask[row, :n] = torch.tensor(e.response_mask, dtype=torch.float32)
-            rollout_lp[row, :n] = torch.tensor(e.rollout_logprobs)
+            mask[row, :n] = torch.tensor(s.response_mask, dtype=torch.float32)
+            rollout_lp[row, :n] = torch.tensor(s.rollout_logprobs)
+        vision = [self._pixels(image) for s in seqs for image in s.images]
         inputs = dict(
             input_ids=ids, attention_mask=attn,
             mm_token_type_ids=(ids == self.image_token_id).int(),  # M-RoPE needs to know image tokens
-            pixel_values=torch.cat([self.vision[i][0] for i in idx]),
-            image_grid_thw=torch.cat([self.vision[i][1] for i in idx]),
+            pixel_values=torch.cat([v[0] for v in vision]),
+            image_grid_thw=torch.cat([v[1] for v in vision]),
         )
         inputs = {k: v.to(device) for k, v in inputs.items()}
         # position t predicts token t+1: the mask and the rollout logprobs belong to the target
@@ -362,6 +393,98 @@ def chunks(n: int, size: int):
     return [list(range(i, min(i + size, n))) for i in range(0, n, size)]
 
 
+def synced_micro_batches(indices: list[int], size: int) -> list:
+    """Micro-batches of `indices`, padded with None up to the largest count on any rank.
+
+    FSDP's forward and backward are collectives, so every rank must run the same number of
+    them; ranks whose episodes made fewer sequences run a zero-weight filler (None).
+    """
+    local = [indices[i:i + size] for i in range(0, len(indices), size)]
+    most = torch.tensor(len(local))
+    dist.all_reduce(most, op=dist.ReduceOp.MAX)
+    return local + [None] * (int(most) - len(local))
+
+
+def old_logprobs(cfg, model, batch: Batch, device) -> tuple[dict, dict, dict]:
+    """Logprobs of the sampled tokens under the current policy (and the base model for KL).
+
+    Also the per-step proof that the engine sampled from this same policy: the mismatch between
+    the trainer's logprobs and the ones vLLM reported while sampling.
+    """
+    old, ref, sums = {}, {}, torch.zeros(3, dtype=torch.float64)  # |diff| sum, k3 sum, tokens
+    worst = torch.zeros((), dtype=torch.float64)
+    model.eval()
+    with torch.no_grad():
+        for idx in synced_micro_batches(list(range(len(batch.sequences))), cfg.micro_batch_size):
+            filler = idx is None
+            inputs, mask, rollout_lp = batch.micro([0] if filler else idx, device)
+            lp = sequence_logprobs(model, inputs)
+            ref_lp = None
+            if cfg.kl_coef > 0:
+                with model.disable_adapter():  # the reference policy is the base model
+                    ref_lp = sequence_logprobs(model, inputs)
+            if filler:
+                continue
+            for row, i in enumerate(idx):  # unpadded rows: the update may group them differently
+                n = len(batch.sequences[i].token_ids) - 1
+                old[i] = lp[row, :n]
+                if ref_lp is not None:
+                    ref[i] = ref_lp[row, :n]
+            m = grpo.logprob_mismatch(lp, rollout_lp, mask)
+            tokens = mask.sum().item()
+            sums += torch.tensor([m["mismatch_abs_mean"] * tokens, m["mismatch_k3"] * tokens, tokens],
+                                 dtype=torch.float64)
+            worst = torch.maximum(worst, torch.tensor(m["mismatch_abs_max"], dtype=torch.float64))
+    dist.all_reduce(sums)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    mismatch = {"mismatch_abs_mean": (sums[0] / sums[2].clamp_min(1)).item(),
+                "mismatch_k3": (sums[1] / sums[2].clamp_min(1)).item(), "mismatch_abs_max": worst.item()}
+    return old, ref, mismatch
+
+
+def grpo_update(cfg, model, optimizer, scheduler, params, batch: Batch, seq_advantages, episode_of,
+                old: dict, ref: dict, num_episodes: int, device) -> dict:
+    """Mini-batches of episodes (one optimizer step each) of micro-batches of their sequences."""
+    model.train()
+    world = dist.get_world_size()
+    per_mini = num_episodes // cfg.num_mini_batches
+    stats = {"clip_frac": [], "ratio_mean": [], "kl": [], "pg_loss": [], "grad_norm": []}
+    for mb in range(cfg.num_mini_batches):
+        in_mini = [i for i, e in enumerate(episode_of) if mb * per_mini <= e < (mb + 1) * per_mini]
+        # Normaliser: token-mean divides by the mini-batch's response tokens over ALL ranks
+        # (seq-mean by its sequences), then by world size since FSDP averages gradients.
+        if cfg.loss_aggregation == "token-mean":
+            count = sum(sum(batch.sequences[i].response_mask) for i in in_mini)
+        else:
+            count = len(in_mini)
+        count = torch.tensor(float(count))
+        dist.all_reduce(count)
+        normalizer = count.item() / world
+        optimizer.zero_grad(set_to_none=True)
+        for idx in synced_micro_batches(in_mini, cfg.micro_batch_size):
+            filler = idx is None
+            inputs, mask, _ = batch.micro(in_mini[:1] if filler else idx, device)
+            rows = in_mini[:1] if filler else idx
+            lp = sequence_logprobs(model, inputs)
+            loss, m = grpo.policy_loss(
+                lp, pad_rows([old[i] for i in rows], device), seq_advantages[rows].to(device), mask,
+                clip_eps_low=cfg.clip_eps_low, clip_eps_high=cfg.clip_eps_high,
+                aggregation=cfg.loss_aggregation, loss_normalizer=normalizer,
+                ref_logprobs=pad_rows([ref[i] for i in rows], device) if ref else None, kl_coef=cfg.kl_coef)
+            (loss * (0.0 if filler else 1.0)).backward()
+            if not filler:
+                for k in ("clip_frac", "ratio_mean", "kl", "pg_loss"):
+                    stats[k].append(m[k])
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
+        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+        stats["grad_norm"].append(grad_norm.item())
+        optimizer.step()
+        scheduler.step()
+    out = {k: sum(v) / max(len(v), 1) for k, v in stats.items()}
+    out["lr"] = scheduler.get_last_lr()[0]
+    return out
+
+
 # ----------------------------------------------------------------------------- checkpoints
 
 def save_checkpoint(cfg, model, optimizer, scheduler, lora_state, step, stream, hours, out: Path):
@@ -381,6 +504,8 @@ def save_checkpoint(cfg, model, optimizer, scheduler, lora_state, step, stream, 
         model.peft_config["default"].save_pretrained(str(tmp))
         save_file(lora_state, str(tmp / "adapter_model.safetensors"))
         torch.save({"optimizer": optim_state, "scheduler": scheduler.state_dict(), "rng": rngs}, tmp / "trainer_state.pt")
+        if os.environ.get("GRPO_TEST_KILL_IN_CHECKPOINT") == str(step) and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+            os.kill(os.getpid(), signal.SIGKILL)  # tests/test_launch.py: die mid-write (first attempt only)
         meta = {"step": step, "stream": stream.state_dict(), "process_hours": hours, "config": dataclasses.asdict(cfg)}
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
         publish_dir(tmp, final)
@@ -434,7 +559,7 @@ def evaluate(cfg, engine, chat, lora_request, step: int, out: Path) -> dict:
     mine = list(range(dist.get_rank(), len(mazes), dist.get_world_size()))
     episodes = rollout.play_chat_episodes(
         [mazes[i] for i in mine], rollout.engine_replies(engine, lora_request, cfg.max_new_tokens, chat.banned_token_ids),
-        max_turns=cfg.max_turns, cell_px=cfg.cell_px, desc=f"eval@{step}",
+        max_turns=cfg.max_turns, cell_px=cfg.cell_px, max_images=cfg.max_images or None, desc=f"eval@{step}",
         progress=cfg.progress and dist.get_rank() == 0)
     for i, e in zip(mine, episodes):
         e.group_id = i
@@ -509,12 +634,15 @@ def main(cfg: Config):
     ckpt = broadcast_object(str(find_checkpoint(cfg, out) or ""))  # rank 0 decides for all
     if ckpt:
         start_step, hours = load_checkpoint(Path(ckpt), model, optimizer, scheduler, stream)
-        log0(f"resumed from {ckpt} at step {start_step} (training maze stream at {stream.position})")
+        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        log0(f"resumed from {ckpt} at step {start_step} (training maze stream at {stream.position}"
+             + (f", torchrun restart {restart})" if restart != "0" else ")"))
     if rank == 0:
-        # one metrics line per step: drop lines of steps that will be redone after a crash
+        # one metrics line per step: drop lines of steps that will be redone after a crash, and a
+        # last line that a crash cut short
         metrics_file = out / "metrics.jsonl"
-        kept = [l for l in metrics_file.read_text().splitlines() if l.strip()
-                and json.loads(l)["step"] <= start_step] if metrics_file.exists() else []
+        lines = metrics_file.read_text().splitlines() if metrics_file.exists() else []
+        kept = [l for l in lines if metrics_step(l) is not None and metrics_step(l) <= start_step]
         atomic_write_text(metrics_file, "".join(l + "\n" for l in kept))
         (out / "config.json").write_text(json.dumps(dataclasses.asdict(cfg), indent=2))
         from torch.utils.tensorboard import SummaryWriter
@@ -551,7 +679,8 @@ def main(cfg: Config):
             engine, chat, [mazes[i] for i in mine], [step * cfg.prompts_per_step + i for i in mine],
             samples_per_maze=cfg.group_size, max_turns=cfg.max_turns, max_new_tokens=cfg.max_new_tokens,
             max_model_len=cfg.max_model_len, temperature=cfg.temperature, seed=cfg.seed,
-            lora_request=lora_request, cell_px=cfg.cell_px, desc=f"rollout@{step + 1}",
+            lora_request=lora_request, cell_px=cfg.cell_px, max_images=cfg.max_images or None,
+            desc=f"rollout@{step + 1}",
             progress=cfg.progress and rank == 0)
         if on_gpu:
             engine.sleep(level=1)  # LoRA-only updates: level 1 keeps the base weights (in CPU RAM)
@@ -564,70 +693,19 @@ def main(cfg: Config):
         advantages, adv_stats = grpo.gather_group_advantages(rewards, group_ids, scale_by_std=cfg.scale_adv_by_std)
         metrics.update(adv_stats)
         t0 = time.time()
-        batch = Batch(episodes, processor)
-        micro = chunks(len(episodes), cfg.micro_batch_size)
-        old_lp, ref_lp, mismatch = {}, {}, []
-        model.eval()
-        with torch.no_grad():
-            for idx in micro:
-                inputs, mask, rollout_lp = batch.micro(idx, device)
-                lp = sequence_logprobs(model, inputs)
-                for row, i in enumerate(idx):  # unpadded rows: later micro-batches may group differently
-                    old_lp[i] = lp[row, :len(episodes[i].token_ids) - 1]
-                # the proof that the engine sampled from the current policy
-                mismatch.append(grpo.logprob_mismatch(lp, rollout_lp, mask) | {"n": mask.sum().item()})
-                if cfg.kl_coef > 0:
-                    with model.disable_adapter():
-                        ref = sequence_logprobs(model, inputs)
-                    for row, i in enumerate(idx):
-                        ref_lp[i] = ref[row, :len(episodes[i].token_ids) - 1]
+        sequences = [seq for e in episodes for seq in e.sequences]
+        episode_of = [i for i, e in enumerate(episodes) for _ in e.sequences]
+        seq_advantages = advantages[episode_of]  # every sequence of an episode shares its advantage
+        batch = Batch(sequences, processor)
+        old, ref, mismatch = old_logprobs(cfg, model, batch, device)
+        metrics.update(mismatch)
         timing["logprobs_s"] = time.time() - t0
-        n_tok = sum(m["n"] for m in mismatch)
-        local = torch.tensor([sum(m["mismatch_abs_mean"] * m["n"] for m in mismatch),
-                              sum(m["mismatch_k3"] * m["n"] for m in mismatch), n_tok], dtype=torch.float64)
-        dist.all_reduce(local)
-        metrics["mismatch_abs_mean"] = (local[0] / local[2].clamp_min(1)).item()
-        metrics["mismatch_k3"] = (local[1] / local[2].clamp_min(1)).item()
-        mm_max = torch.tensor(max([m["mismatch_abs_max"] for m in mismatch], default=0.0))
-        dist.all_reduce(mm_max, op=dist.ReduceOp.MAX)
-        metrics["mismatch_abs_max"] = mm_max.item()
 
-        # 3. the GRPO update: mini-batches (optimizer steps) of micro-batches (accumulation)
+        # 3. the GRPO update
         t0 = time.time()
-        model.train()
-        per_mini = len(episodes) // cfg.num_mini_batches
-        stats = {"clip_frac": [], "ratio_mean": [], "kl": [], "pg_loss": [], "grad_norm": []}
-        for mb in range(cfg.num_mini_batches):
-            mb_micro = chunks(per_mini, cfg.micro_batch_size)
-            mb_micro = [[mb * per_mini + i for i in idx] for idx in mb_micro]
-            # normaliser for token-mean: the mini-batch's response tokens over ALL ranks, divided
-            # by world size because FSDP averages (not sums) gradients across ranks
-            count = torch.tensor(float(sum(sum(episodes[i].response_mask) for idx in mb_micro for i in idx)
-                                       if cfg.loss_aggregation == "token-mean" else per_mini))
-            dist.all_reduce(count)
-            normalizer = count.item() / world
-            optimizer.zero_grad(set_to_none=True)
-            for idx in mb_micro:
-                inputs, mask, _ = batch.micro(idx, device)
-                lp = sequence_logprobs(model, inputs)
-                ref = pad_rows([ref_lp[i] for i in idx], device) if ref_lp else None
-                loss, m = grpo.policy_loss(
-                    lp, pad_rows([old_lp[i] for i in idx], device), advantages[idx].to(device), mask,
-                    clip_eps_low=cfg.clip_eps_low, clip_eps_high=cfg.clip_eps_high,
-                    aggregation=cfg.loss_aggregation, loss_normalizer=normalizer,
-                    ref_logprobs=ref, kl_coef=cfg.kl_coef)
-                loss.backward()
-                for k in ("clip_frac", "ratio_mean", "kl", "pg_loss"):
-                    stats[k].append(m[k])
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
-            grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-            stats["grad_norm"].append(grad_norm.item())
-            optimizer.step()
-            scheduler.step()
+        metrics.update(grpo_update(cfg, model, optimizer, scheduler, params, batch, seq_advantages,
+                                   episode_of, old, ref, len(episodes), device))
         timing["update_s"] = time.time() - t0
-        for k, v in stats.items():
-            metrics[k] = sum(v) / max(len(v), 1)
-        metrics["lr"] = scheduler.get_last_lr()[0]
 
         # 4. LoRA sync through shared storage
         lora_request, lora_state, sync_stats = sync_adapter(model, engine, shared, step + 1, cfg.keep_syncs)

@@ -27,11 +27,13 @@ def test_sequences_line_up_with_the_processor(engine, tiny_model):
     episodes = _play(engine, chat)
     assert len(episodes) == 6 and all(e.done for e in episodes)
     for e in episodes:
-        n = len(e.token_ids)
-        assert len(e.response_mask) == n and len(e.rollout_logprobs) == n
+        assert len(e.sequences) == 1  # full history: the whole episode is one sequence
+        seq = e.sequences[0]
+        n = len(seq.token_ids)
+        assert len(seq.response_mask) == n and len(seq.rollout_logprobs) == n
         # the masked-in segments are exactly the replies, in order
         segments, current = [], []
-        for token, m in zip(e.token_ids, e.response_mask):
+        for token, m in zip(seq.token_ids, seq.response_mask):
             if m:
                 current.append(token)
             elif current:
@@ -49,12 +51,13 @@ def test_sequences_line_up_with_the_processor(engine, tiny_model):
         first = processor(text=[processor.apply_chat_template([chat.user_turn(env.INSTRUCTIONS + "\n" + env.observation_text(0))],
                                                               add_generation_prompt=True, tokenize=False)],
                           images=[e.images[0]], return_tensors="pt")["input_ids"][0].tolist()
-        assert e.token_ids[:len(first)] == first
-        assert e.response_mask[:len(first)] == [0] * len(first)
-        vision = processor.image_processor(images=e.images, return_tensors="pt")
+        assert seq.token_ids[:len(first)] == first
+        assert seq.response_mask[:len(first)] == [0] * len(first)
+        vision = processor.image_processor(images=seq.images, return_tensors="pt")
         image_tokens = int(vision["image_grid_thw"].prod(-1).sum()) // 4
-        assert e.token_ids.count(processor.image_token_id) == image_tokens
-        assert len(e.images) == e.num_turns  # one image per turn played (the last state is not sent)
+        assert seq.token_ids.count(processor.image_token_id) == image_tokens
+        assert len(seq.images) == e.num_turns  # one image per turn played (the last state is not sent)
+        assert seq.images == e.images[:e.num_turns]
 
 
 def test_group_members_play_the_same_maze_with_different_samples(engine, tiny_model):
@@ -62,23 +65,41 @@ def test_group_members_play_the_same_maze_with_different_samples(engine, tiny_mo
     episodes = _play(engine, chat)
     group0 = [e for e in episodes if e.group_id == 0]
     assert len({e.maze.layout_key() for e in group0}) == 1
-    assert len({tuple(e.token_ids) for e in group0}) == 3  # diverse samples within a group
+    assert len({tuple(e.sequences[0].token_ids) for e in group0}) == 3  # diverse samples within a group
     again = _play(engine, chat)  # seeded per episode and turn: reproducible
-    assert [e.token_ids for e in again] == [e.token_ids for e in episodes]
+    assert [e.reply_ids for e in again] == [e.reply_ids for e in episodes]
 
 
 def test_trainer_logprobs_match_vllm(engine, tiny_model):
     """fp32 on CPU: the trainer's recomputed logprobs equal vLLM's sampling logprobs."""
     processor, chat = _chat(tiny_model)
-    episodes = _play(engine, chat)
     model = Qwen3VLForConditionalGeneration.from_pretrained(tiny_model, dtype=torch.float32)
-    batch = train.Batch(episodes, processor)
-    with torch.no_grad():
-        inputs, mask, rollout_lp = batch.micro(list(range(len(episodes))), torch.device("cpu"))
-        lp = train.sequence_logprobs(model, inputs)
-    mismatch = grpo.logprob_mismatch(lp, rollout_lp, mask)
-    assert mismatch["mismatch_abs_mean"] < 1e-4, mismatch
-    assert mask.sum() == sum(e.num_generated_tokens for e in episodes)
+    for max_images in (None, 1):
+        episodes = _play(engine, chat, max_images=max_images)
+        sequences = [s for e in episodes for s in e.sequences]
+        batch = train.Batch(sequences, processor)
+        with torch.no_grad():
+            inputs, mask, rollout_lp = batch.micro(list(range(len(sequences))), torch.device("cpu"))
+            lp = train.sequence_logprobs(model, inputs)
+        mismatch = grpo.logprob_mismatch(lp, rollout_lp, mask)
+        assert mismatch["mismatch_abs_mean"] < 1e-4, (max_images, mismatch)
+        assert mask.sum() == sum(e.num_generated_tokens for e in episodes)
+
+
+def test_last_k_images_makes_one_sequence_per_turn(engine, tiny_model):
+    processor, chat = _chat(tiny_model)
+    episodes = _play(engine, chat, max_images=1)
+    for e in episodes:
+        assert len(e.sequences) == e.num_turns
+        for turn, seq in enumerate(e.sequences):
+            assert seq.images == [e.images[turn]]  # only the current state's image
+            assert seq.token_ids.count(processor.image_token_id) == chat.image_tokens(e.images[turn])
+            # the reply of this turn (and only it) is trained in this sequence
+            reply = e.reply_ids[turn]
+            assert sum(seq.response_mask) == len(reply) and seq.token_ids[-len(reply):] == reply
+            # earlier replies are still in the context, token for token, masked out
+            for earlier in e.reply_ids[:turn]:
+                assert any(seq.token_ids[j:j + len(earlier)] == earlier for j in range(len(seq.token_ids)))
 
 
 def test_stop_conditions(engine, tiny_model):
@@ -89,7 +110,7 @@ def test_stop_conditions(engine, tiny_model):
     # per-turn token limit: replies are cut at max_new_tokens
     assert all(e.num_generated_tokens <= 2 * 6 for e in episodes)
     # context limit: a budget that fits two turns but not three
-    first = len(episodes[0].token_ids) // 2
+    first = len(episodes[0].sequences[0].token_ids) // 2
     limited = _play(engine, chat, max_turns=10, max_model_len=first * 2 + 20)
     assert {e.end_reason for e in limited} == {"context_limit"}
     assert all(e.num_turns < 10 for e in limited)

@@ -60,7 +60,7 @@ def _sync_check(shared: str, results):
                                      seed=0, lora_request=request, progress=False)
 
     def trainer_mismatch(episodes):
-        batch = train.Batch(episodes, processor)
+        batch = train.Batch([e.sequences[0] for e in episodes], processor)
         with torch.no_grad():
             inputs, mask, rollout_lp = batch.micro(list(range(len(episodes))), torch.device("cpu"))
             return grpo.logprob_mismatch(train.sequence_logprobs(model, inputs), rollout_lp, mask)["mismatch_abs_mean"]
@@ -73,7 +73,7 @@ def _sync_check(shared: str, results):
     # one real optimizer step with a big learning rate and made-up advantages
     params = [p for _, p in train.lora_parameters(model)]
     optimizer = torch.optim.AdamW(params, lr=5e-2)
-    batch = train.Batch(episodes, processor)
+    batch = train.Batch([e.sequences[0] for e in episodes], processor)
     inputs, mask, rollout_lp = batch.micro(list(range(len(episodes))), torch.device("cpu"))
     advantages = torch.tensor([1.0, -1.0] * (len(episodes) // 2))
     loss, _ = grpo.policy_loss(train.sequence_logprobs(model, inputs), rollout_lp, advantages, mask)
