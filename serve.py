@@ -12,14 +12,14 @@ LoRA on, and every adapter under the adapter root servable by name, loaded on it
     "model": "tiny-qwen3-vl:run1/step_20"    <adapter root>/run1/step_20
 
 Loaded adapters stay cached: up to --max-loras take part in one batch, --max-cpu-loras are kept in
-memory, and older ones are reloaded from disk when asked for again. A name keeps the weights it
-first loaded, so new weights need a new name (the trainer exports each step to its own directory).
+memory, and older ones are reloaded from disk when asked for again. So give new weights a new
+directory rather than overwriting an adapter in place (the trainer exports each step to its own).
 Adapters are only ever read from inside the root, and the routes that would load one from any
 other path are switched off.
 
 The eval client plays `env.eval_mazes` exactly like the trainer's greedy eval (`train.evaluate`):
-the same conversations, the same parsing and turn limit, only the replies come over HTTP. It writes
-the same JSON, so a served adapter can be checked against the eval its training run logged.
+the same conversations, sampling, parsing and turn limit; only the replies come over HTTP. It
+writes the same JSON rows, so a served adapter can be checked against the eval its run logged.
 Any serve flag not listed in `--help` is passed to vLLM unchanged (e.g. --gpu-memory-utilization).
 """
 
@@ -57,7 +57,10 @@ def find_adapters(root: Path) -> dict[str, int]:
         dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
         if "adapter_config.json" in filenames:
             path = Path(dirpath)
-            adapters[path.relative_to(root).as_posix()] = adapter_rank(path)
+            try:
+                adapters[path.relative_to(root).as_posix()] = adapter_rank(path)
+            except FileNotFoundError:  # a training run pruned it while we looked
+                pass
     return adapters
 
 
@@ -176,7 +179,7 @@ def vllm_argv(args, max_lora_rank: int, extra: list[str]) -> list[str]:
         # fp32 on CPU: the same numbers as the trainer's in-process engine, so greedy replies match
         "--dtype", "bfloat16" if on_gpu else "float32",
         "--max-model-len", str(args.max_model_len),
-        "--limit-mm-per-prompt", json.dumps({"image": args.max_images, "video": 0}),
+        "--limit-mm-per-prompt", json.dumps({"image": args.images_per_prompt, "video": 0}),
         "--enable-prefix-caching",  # turn k's prompt is turn k-1's prompt + reply + new turn
         "--enable-lora", "--max-lora-rank", str(max_lora_rank),
         "--max-loras", str(args.max_loras), "--max-cpu-loras", str(args.max_cpu_loras),
@@ -202,7 +205,8 @@ def serve(argv: list[str]):
     parser.add_argument("--max-lora-rank", type=int, default=None,
                         help="default: the largest rank under --adapters, rounded up to one vLLM accepts")
     parser.add_argument("--max-model-len", type=int, default=4096)
-    parser.add_argument("--max-images", type=int, default=16, help="images per conversation (one per turn)")
+    parser.add_argument("--images-per-prompt", type=int, default=16,
+                        help="most images in one conversation (one per turn: --max-turns + 1 is plenty)")
     args, extra = parser.parse_known_args(argv)
 
     if not args.model:
@@ -277,19 +281,22 @@ def fix_cpu_lora_for_base_requests():
 
 # ----------------------------------------------------------------------------- eval over HTTP
 
-def http_replies(url: str, model: str, max_new_tokens: int, api_key: str = "", concurrency: int = 64,
-                 timeout_s: float = 600.0):
-    """reply_fn for `rollout.play_chat_episodes`: each conversation is one greedy chat request.
+def http_replies(url: str, model: str, max_new_tokens: int, api_key: str = "", banned_token_ids=(),
+                 concurrency: int = 64, timeout_s: float = 600.0):
+    """reply_fn for `rollout.play_chat_episodes`: each conversation is one greedy chat request,
+    with the same sampling as the trainer's `rollout.engine_replies`.
 
     The requests of a turn go out concurrently (the server batches them) and come back in order.
     """
     from openai import OpenAI
 
     client = OpenAI(base_url=url.rstrip("/") + "/v1", api_key=api_key or "none", timeout=timeout_s)
+    sampling = dict(temperature=0.0, max_tokens=max_new_tokens)
+    if banned_token_ids:
+        sampling["logit_bias"] = {str(t): -100.0 for t in banned_token_ids}
 
     def reply(messages: list) -> str:
-        response = client.chat.completions.create(model=model, messages=messages, temperature=0.0,
-                                                  max_tokens=max_new_tokens)
+        response = client.chat.completions.create(model=model, messages=messages, **sampling)
         return response.choices[0].message.content or ""
 
     def reply_fn(conversations: list) -> list:
@@ -299,14 +306,27 @@ def http_replies(url: str, model: str, max_new_tokens: int, api_key: str = "", c
     return reply_fn
 
 
+def vision_token_ids(url: str, model: str, api_key: str = "", processor: str = "") -> list[int]:
+    """The tokens the trainer bans from replies (`rollout.ChatFormat.banned_token_ids`), read from
+    the base model's processor: `processor` if given, else the path the server reports for it."""
+    from openai import OpenAI
+    from transformers import AutoProcessor
+
+    if not processor:
+        cards = OpenAI(base_url=url.rstrip("/") + "/v1", api_key=api_key or "none").models.list().data
+        processor = next(card.root for card in cards if card.parent is None)  # the one base model
+    return rollout.ChatFormat(AutoProcessor.from_pretrained(processor), []).banned_token_ids
+
+
 def evaluate(url: str, model: str, *, difficulty: str = "small", n: int = 64, max_turns: int = 15,
-             max_new_tokens: int = 32, cell_px: int = env.CELL_PX_TINY, api_key: str = "",
-             concurrency: int = 64, progress: bool = True) -> dict:
-    """Greedy play of the eval mazes through the server; the rows of `train.evaluate`'s JSON."""
+             max_new_tokens: int = 32, max_images: int | None = None, cell_px: int = env.CELL_PX_TINY,
+             api_key: str = "", processor: str = "", concurrency: int = 64, progress: bool = True) -> dict:
+    """Greedy play of the eval mazes through the server: `train.evaluate`'s JSON, without `step`."""
     mazes = env.eval_mazes(difficulty, n)
+    banned = vision_token_ids(url, model, api_key, processor)
     episodes = rollout.play_chat_episodes(
-        mazes, http_replies(url, model, max_new_tokens, api_key, concurrency),
-        max_turns=max_turns, cell_px=cell_px, desc=f"eval {model}", progress=progress)
+        mazes, http_replies(url, model, max_new_tokens, api_key, banned, concurrency),
+        max_turns=max_turns, cell_px=cell_px, max_images=max_images, desc=f"eval {model}", progress=progress)
     rows = [{"maze_index": i, "seed": e.maze.seed, "solved": e.solved, "turns": e.num_turns,
              "end_reason": e.end_reason, "invalid_actions": e.invalid_actions, "replies": e.replies}
             for i, e in enumerate(episodes)]
@@ -323,8 +343,12 @@ def eval_main(argv: list[str]):
     parser.add_argument("--n", type=int, default=64)
     parser.add_argument("--max-turns", type=int, default=15)
     parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--max-images", type=int, default=0,
+                        help="keep only the last k images in the conversation, like train.py; 0: all")
     parser.add_argument("--cell-px", type=int, default=env.CELL_PX_TINY)
     parser.add_argument("--api-key", default=os.environ.get("VLLM_API_KEY", ""))
+    parser.add_argument("--processor", default="",
+                        help="base model dir or id for its token ids; default: the path the server reports")
     parser.add_argument("--concurrency", type=int, default=64, help="requests in flight at once")
     parser.add_argument("--out", default="", help="write the result JSON here")
     args = parser.parse_args(argv)
@@ -332,7 +356,8 @@ def eval_main(argv: list[str]):
 
     try:
         result = evaluate(args.url, args.model, difficulty=args.difficulty, n=args.n, max_turns=args.max_turns,
-                          max_new_tokens=args.max_new_tokens, cell_px=args.cell_px, api_key=args.api_key,
+                          max_new_tokens=args.max_new_tokens, max_images=args.max_images or None,
+                          cell_px=args.cell_px, api_key=args.api_key, processor=args.processor,
                           concurrency=args.concurrency)
     except APIError as e:  # unknown model, wrong key, server gone: say so, without a traceback
         raise SystemExit(f"{args.url}: {e.message}")

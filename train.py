@@ -487,8 +487,9 @@ def grpo_update(cfg, model, optimizer, scheduler, params, batch: Batch, seq_adva
 
 # ----------------------------------------------------------------------------- checkpoints
 
-def save_checkpoint(cfg, model, optimizer, scheduler, lora_state, step, stream, hours, out: Path):
-    """Rank 0 writes <out>/checkpoints/step_<N>/ atomically, then the `latest` pointer. Collective."""
+def save_checkpoint(cfg, model, optimizer, scheduler, lora_state, step, stream, hours, out: Path) -> Path | None:
+    """Rank 0 writes the checkpoint into a hidden temp dir and returns it; `publish_checkpoint`
+    makes it step_<N> once the step's metrics line is written. Collective."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
     optim_state = get_optimizer_state_dict(
@@ -498,7 +499,6 @@ def save_checkpoint(cfg, model, optimizer, scheduler, lora_state, step, stream, 
     dist.all_gather_object(rngs, rng)
     if dist.get_rank() == 0:
         ckpt_root = out / "checkpoints"
-        final = ckpt_root / f"step_{step}"
         tmp = ckpt_root / f".step_{step}.tmp-{uuid.uuid4().hex[:8]}"
         tmp.mkdir(parents=True)
         model.peft_config["default"].save_pretrained(str(tmp))
@@ -508,10 +508,19 @@ def save_checkpoint(cfg, model, optimizer, scheduler, lora_state, step, stream, 
             os.kill(os.getpid(), signal.SIGKILL)  # tests/test_launch.py: die mid-write (first attempt only)
         meta = {"step": step, "stream": stream.state_dict(), "process_hours": hours, "config": dataclasses.asdict(cfg)}
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
-        publish_dir(tmp, final)
-        atomic_write_text(ckpt_root / "latest", final.name)  # written last: it only ever names a complete dir
-        prune(ckpt_root, "step_", cfg.keep_checkpoints)
+        fsync_dir(tmp)
     dist.barrier()
+    return tmp if dist.get_rank() == 0 else None
+
+
+def publish_checkpoint(cfg, tmp: Path, step: int, out: Path):
+    """Rank 0: rename the temp dir to step_<N>, then point `latest` at it (last: it only ever names a
+    complete dir). Called after the step's metrics line is written, so a resumed run never lacks a
+    line for a step it does not redo; a crash before this redoes the step."""
+    ckpt_root = out / "checkpoints"
+    publish_dir(tmp, ckpt_root / f"step_{step}")
+    atomic_write_text(ckpt_root / "latest", f"step_{step}")
+    prune(ckpt_root, "step_", cfg.keep_checkpoints)
 
 
 def find_checkpoint(cfg, out: Path) -> Path | None:
@@ -724,8 +733,9 @@ def main(cfg: Config):
         timing["eval_s"] = time.time() - t0
         t0 = time.time()
         hours += (time.time() - step_start) * world / 3600
+        ckpt_tmp = None
         if done % cfg.ckpt_interval == 0 or done == cfg.steps:
-            save_checkpoint(cfg, model, optimizer, scheduler, lora_state, done, stream, hours, out)
+            ckpt_tmp = save_checkpoint(cfg, model, optimizer, scheduler, lora_state, done, stream, hours, out)
         if rank == 0 and (done % cfg.export_interval == 0 or done == cfg.steps):
             write_adapter(model, lora_state, out / "adapters" / f"step_{done}")
         timing["checkpoint_s"] = time.time() - t0
@@ -743,6 +753,10 @@ def main(cfg: Config):
                     "maze_seeds": [m.seed for m in mazes], "stream_position": stream.position}
             with open(out / "metrics.jsonl", "a") as f:
                 f.write(json.dumps(line) + "\n")
+                f.flush()
+                os.fsync(f.fileno())  # on disk before `latest` can name this step
+            if ckpt_tmp:
+                publish_checkpoint(cfg, ckpt_tmp, done, out)
             for k, v in metrics.items():
                 writer.add_scalar(k, v, done)
             writer.flush()

@@ -98,24 +98,42 @@ def first_turns(n: int) -> list:
 # ----------------------------------------------------------------------------- fixtures
 
 @pytest.fixture(scope="module")
-def adapter_root(tmp_path_factory, tiny_model) -> Path:
-    """<root>/{a, b, run1/...} plus two links: `inside` -> a, and `escape` -> an adapter outside."""
+def training(tmp_path_factory):
+    """The short training run, started first and in the background (it is the slowest part):
+    it writes into <adapter root>/run1 while the adapters are made and the server starts."""
     root = tmp_path_factory.mktemp("adapters")
-    outside = tmp_path_factory.mktemp("outside")
-    # the short training run goes first, in the background: it is the slowest part
     log_path = tmp_path_factory.mktemp("trainer") / "train.log"
     with open(log_path, "w") as log:
-        trainer = subprocess.Popen([PYTHON, "train.py", *TRAIN_ARGS, "--out-dir", str(root / "run1")], cwd=ROOT,
+        process = subprocess.Popen([PYTHON, "train.py", *TRAIN_ARGS, "--out-dir", str(root / "run1")], cwd=ROOT,
                                    stdout=log, stderr=subprocess.STDOUT)
+    try:
+        yield root, process, log_path
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+@pytest.fixture(scope="module")
+def adapter_root(training, tiny_model, tmp_path_factory) -> Path:
+    """<root>/{a, b, run1/...} plus two links: `inside` -> a, and `escape` -> an adapter outside."""
+    root = training[0]
+    outside = tmp_path_factory.mktemp("outside")
     make_adapter(tiny_model, root / "a", seed=1)
     make_adapter(tiny_model, root / "b", seed=2)
     shutil.copytree(root / "a", outside / "stolen")
     (root / "inside").symlink_to(root / "a")
     (root / "escape").symlink_to(outside / "stolen")
-    trainer.wait(timeout=300)
-    assert trainer.returncode == 0, log_path.read_text()[-5000:]
-    assert (root / "run1" / "adapters" / "step_1" / "adapter_config.json").exists()
     return root
+
+
+@pytest.fixture(scope="module")
+def trained_run(training) -> Path:
+    """<root>/run1 once the trainer is done: adapters/step_1 and its eval/step_1.json."""
+    root, process, log_path = training
+    process.wait(timeout=300)
+    assert process.returncode == 0, log_path.read_text()[-5000:]
+    return root / "run1"
 
 
 @pytest.fixture(scope="module")
@@ -177,8 +195,8 @@ def offline_adapter(adapter_root: Path, name: str):
     return LoRARequest(f"serve-test-{name}", {"a": 901, "b": 902}[name], str(adapter_root / name))
 
 
-def test_trainer_export_replays_the_trainer_eval(server, base, adapter_root):
-    logged = json.loads((adapter_root / "run1" / "eval" / "step_1.json").read_text())
+def test_trainer_export_replays_the_trainer_eval(server, base, trained_run):
+    logged = json.loads((trained_run / "eval" / "step_1.json").read_text())
     model = f"{base}:run1/adapters/step_1"
     result = serve.evaluate(server.url, model, difficulty="small", n=8, max_turns=4, max_new_tokens=8,
                             api_key=API_KEY, progress=False)
@@ -192,16 +210,19 @@ def test_trainer_export_replays_the_trainer_eval(server, base, adapter_root):
     # zeros and it answers like the base model; the next test plays an adapter that does not.
 
 
-def test_eval_over_http_matches_the_in_process_eval(server, base, adapter_root, engine):
-    kwargs = dict(max_turns=4, progress=False)
-    mazes = env.eval_mazes("small", 8)
+def test_eval_over_http_matches_the_in_process_eval(server, base, adapter_root, trained_run, engine, tiny_model):
+    from transformers import AutoProcessor
+
+    # what train.evaluate does, for an adapter that changes the replies
+    banned = rollout.ChatFormat(AutoProcessor.from_pretrained(tiny_model), []).banned_token_ids
     offline = rollout.play_chat_episodes(
-        mazes, rollout.engine_replies(engine, offline_adapter(adapter_root, "a"), 8), **kwargs)
-    served = rollout.play_chat_episodes(
-        mazes, serve.http_replies(server.url, f"{base}:a", 8, api_key=API_KEY), **kwargs)
-    base_replies = json.loads((adapter_root / "run1" / "eval" / "step_1.json").read_text())["mazes"]
-    assert [e.replies for e in served] == [e.replies for e in offline]
-    assert [e.replies for e in served] != [r["replies"] for r in base_replies]
+        env.eval_mazes("small", 8), rollout.engine_replies(engine, offline_adapter(adapter_root, "a"), 8, banned),
+        max_turns=4, progress=False)
+    served = serve.evaluate(server.url, f"{base}:a", difficulty="small", n=8, max_turns=4, max_new_tokens=8,
+                            api_key=API_KEY, progress=False)
+    assert [row["replies"] for row in served["mazes"]] == [e.replies for e in offline]
+    base_rows = json.loads((trained_run / "eval" / "step_1.json").read_text())["mazes"]
+    assert [row["replies"] for row in served["mazes"]] != [row["replies"] for row in base_rows]
 
 
 def test_two_adapters_side_by_side_match_offline_greedy(server, base, adapter_root, engine):

@@ -1,0 +1,168 @@
+"""Supervised warm start: teach the model the task from shortest-path demonstrations.
+
+    python sft.py --out runs/sft [--model <dir>] [--difficulty small] [--steps 1500]
+
+GRPO only sharpens what a policy already does sometimes: from a random model no maze is ever
+solved, every group has zero variance and nothing is learned. So, as in the published recipe,
+RL starts from a supervised checkpoint. The demonstrations are the BFS solver's moves, played
+through the same env, rendered and tokenised exactly as `rollout.py` does it (same chat template,
+same images, same last-k-images policy); only the replies are trained on.
+
+Full fine-tuning, not LoRA: the tiny model is randomly initialised, so there is nothing for a
+low-rank adapter to adapt; every weight (vision tower included) has to learn. For a real
+pretrained Qwen3-VL you would do LoRA SFT instead and merge it. The output is an ordinary HF
+model directory that `train.py --model` starts from; GRPO then trains a LoRA on top of it.
+
+Demonstrations are made robust with noise injection (DART, Laskey et al. 2017): with probability
+`--noise` a random move is played instead of the optimal one, and that turn is not trained on,
+so the model sees off-path states and learns the way back from them.
+"""
+
+import argparse
+import json
+import os
+import random
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import rollout  # sets vLLM-related environment before anything imports it (harmless here)
+
+import torch  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+import env  # noqa: E402
+import grpo  # noqa: E402
+from train import Batch, sequence_logprobs  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent
+
+
+def demonstration(maze, chat: rollout.ChatFormat, reply_ids: dict, rng: random.Random, *, max_turns: int,
+                  max_images: int | None, cell_px: int, noise: float) -> list:
+    """Play one maze with the BFS policy (plus noise); return its training sequences."""
+    game = env.MazeEnv(maze, max_turns=max_turns, cell_px=cell_px)
+    obs = game.reset()
+    episode = rollout.Episode(maze=maze, group_id=0, sample_id=0)
+    episode.user_turns.append(chat.first_turn(obs.text))
+    episode.user_turns_text_only.append(chat.first_turn(obs.text, with_image=False))
+    episode.images.append(obs.image)
+    trained = []  # per turn: is this reply a demonstration (True) or noise (False)?
+    while not game.done:
+        best = env.solve(maze, start=game.agent)[0]
+        noisy = best != env.STOP_ACTION and rng.random() < noise
+        action = rng.choice(env.ACTION_STRINGS[:4]) if noisy else best
+        ids, images = episode.next_prompt(max_images)
+        episode.reply_ids.append(reply_ids[action])
+        trained.append(not noisy)
+        prompt = chat.expand(ids, images)
+        episode.sequences.append(rollout.Sequence(
+            prompt + reply_ids[action], [0] * len(prompt) + [int(not noisy)] * len(reply_ids[action]),
+            [0.0] * (len(prompt) + len(reply_ids[action])), images))
+        obs = game.step(chat.tokenizer.decode(reply_ids[action], skip_special_tokens=True))
+        if not game.done:
+            episode.user_turns.append(chat.next_turn(obs.text, reply_ids[action]))
+            episode.user_turns_text_only.append(chat.next_turn(obs.text, reply_ids[action], with_image=False))
+            episode.images.append(obs.image)
+    if max_images is None:
+        # Full history: each prompt extends the previous sequence, so the last sequence holds
+        # the whole episode, and reply t ends where turn t's sequence ended.
+        last = episode.sequences[-1]
+        mask = [0] * len(last.token_ids)
+        for seq, reply, keep in zip(episode.sequences, episode.reply_ids, trained):
+            if keep:
+                mask[len(seq.token_ids) - len(reply):len(seq.token_ids)] = [1] * len(reply)
+        return [rollout.Sequence(last.token_ids, mask, [0.0] * len(mask), last.images)]
+    return [s for s, keep in zip(episode.sequences, trained) if keep]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="", help="HF model dir or id; empty: the tiny model")
+    parser.add_argument("--out", default="runs/sft", help="where the fine-tuned model is written")
+    parser.add_argument("--difficulty", default="small")
+    parser.add_argument("--steps", type=int, default=1500)
+    parser.add_argument("--batch-size", type=int, default=32, help="sequences per optimizer step")
+    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--warmup", type=int, default=50)
+    parser.add_argument("--noise", type=float, default=0.2, help="chance of a random demonstration move")
+    parser.add_argument("--max-turns", type=int, default=15)
+    parser.add_argument("--max-images", type=int, default=1, help="0: full image history")
+    parser.add_argument("--cell-px", type=int, default=env.CELL_PX_TINY)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--log-every", type=int, default=50)
+    args = parser.parse_args()
+
+    from transformers import AutoProcessor, GenerationConfig, Qwen3VLForConditionalGeneration
+
+    if args.model:
+        model_path = args.model
+    else:
+        from launch.make_tiny_model import ensure_tiny_model
+        model_path = str(ensure_tiny_model())
+    torch.manual_seed(args.seed)
+    rng = random.Random(args.seed)
+    processor = AutoProcessor.from_pretrained(model_path)
+    generation = GenerationConfig.from_pretrained(model_path)
+    eos = generation.eos_token_id
+    eos = [eos] if isinstance(eos, int) else list(eos)
+    chat = rollout.ChatFormat(processor, eos)
+    # the reply the model should learn: the answer, then the end-of-turn token
+    reply_ids = {a: chat._ids(f"<answer>{a}</answer>") + [eos[0]] for a in env.ACTION_STRINGS}
+    model = Qwen3VLForConditionalGeneration.from_pretrained(model_path, dtype=torch.float32)
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / args.warmup))
+
+    stream = env.TrainMazeStream(args.difficulty)  # never an evaluation layout
+    pool, log, t_start = [], [], time.time()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    bar = tqdm(range(args.steps), desc="sft", unit="step")
+    for step in bar:
+        while len(pool) < args.batch_size:
+            pool += demonstration(stream.next(), chat, reply_ids, rng, max_turns=args.max_turns,
+                                  max_images=args.max_images or None, cell_px=args.cell_px, noise=args.noise)
+        rng.shuffle(pool)
+        sequences, pool = pool[:args.batch_size], pool[args.batch_size:]
+        batch = Batch(sequences, processor)
+        inputs, mask, _ = batch.micro(list(range(len(sequences))), torch.device("cpu"))
+        logits = model(**inputs).logits[:, :-1]
+        logprobs = grpo.token_logprobs(logits, inputs["input_ids"][:, 1:])
+        loss = -grpo.masked_mean(logprobs, mask)  # cross-entropy on reply tokens only
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        schedule.step()
+        # a turn counts as right when every reply token is the argmax
+        with torch.no_grad():
+            right = ((logits.argmax(-1) == inputs["input_ids"][:, 1:]) | (mask == 0)).all(-1)
+        log.append({"step": step + 1, "loss": loss.item(), "turn_accuracy": right.float().mean().item()})
+        if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
+            recent = log[-args.log_every:]
+            acc = sum(r["turn_accuracy"] for r in recent) / len(recent)
+            bar.set_postfix(loss=f"{recent[-1]['loss']:.3f}", acc=f"{acc:.2f}")
+            with open(out / "sft_metrics.jsonl", "a") as f:
+                f.write(json.dumps({**log[-1], "turn_accuracy_avg": acc, "wall_s": time.time() - t_start,
+                                    "mazes_seen": stream.position}) + "\n")
+
+    # an ordinary HF model directory, written to a temp dir and renamed into place
+    final = out / "model"
+    tmp = Path(tempfile.mkdtemp(prefix=".model.tmp-", dir=out))
+    model.save_pretrained(tmp)
+    processor.save_pretrained(tmp)
+    generation.save_pretrained(tmp)
+    (tmp / "SFT_INFO.json").write_text(json.dumps({**vars(args), "base": model_path,
+                                                   "final_turn_accuracy": log[-1]["turn_accuracy"]}, indent=2))
+    tmp.chmod(0o755)
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    print(f"SFT model written to {final} ({time.time() - t_start:.0f}s)")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,323 @@
+"""The launchers and crash recovery, shown on the tiny model with launch/torchrun.sh:
+
+- two "nodes" on one machine meet at a c10d rendezvous and train into one shared run dir;
+- a worker killed with SIGKILL mid-step is restarted by torchrun and resumes from `latest`,
+  with no maze seed repeated or skipped and one metrics line per step (lost work printed: -s);
+- a worker killed in the middle of writing a checkpoint: the restart loads the previous one;
+- launch/slurm.sbatch under stub srun/scontrol, and the Kubernetes manifests, give the
+  torchrun command lines a cluster needs.
+"""
+
+import json
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import yaml
+
+import env
+import train
+
+ROOT = Path(__file__).resolve().parent.parent
+# Smaller than test_train.py's runs: 2 evaluation mazes, evaluation only at the start and the end.
+TINY = ["--prompts-per-step", "2", "--group-size", "4", "--max-turns", "3", "--max-new-tokens", "8",
+        "--eval-mazes", "2", "--eval-interval", "100", "--progress", "false"]
+RUN_TIMEOUT = 240  # seconds for a whole run, restarts included; every wait below is bounded
+
+
+# ----------------------------------------------------------------------------- helpers
+
+@pytest.fixture
+def launch(tmp_path):
+    """Start `launch/torchrun.sh` in its own session; whatever is left is killed afterwards."""
+    started = []
+
+    def start(out: Path, *args: str, log: str = "log.txt", **env_vars: str) -> subprocess.Popen:
+        environ = {**os.environ, **env_vars}
+        with open(tmp_path / log, "w") as f:
+            proc = subprocess.Popen(["bash", "launch/torchrun.sh", "--out-dir", str(out), *TINY, *args],
+                                    cwd=ROOT, env=environ, stdout=f, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+        proc.log = tmp_path / log
+        started.append(proc)
+        return proc
+
+    yield start
+    for proc in started:  # the session holds torchrun, its workers and anything they started
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(timeout=30)
+
+
+def wait_for(condition, what: str, procs=(), timeout: float = RUN_TIMEOUT, poll: float = 0.1):
+    """Poll until condition() is truthy; fail early if a launcher exits (and show its log)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        value = condition()
+        if value:
+            return value
+        for proc in procs:
+            if proc.poll() is not None:
+                pytest.fail(f"launcher exited ({proc.returncode}) while waiting for {what}:\n{tail(proc)}")
+        time.sleep(poll)
+    pytest.fail(f"timed out after {timeout}s waiting for {what}:\n" + "\n".join(tail(p) for p in procs))
+
+
+def tail(proc, n: int = 4000) -> str:
+    return proc.log.read_text()[-n:]
+
+
+def finish(proc, timeout: float = RUN_TIMEOUT) -> str:
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"run did not finish in {timeout}s:\n{tail(proc)}")
+    assert proc.returncode == 0, tail(proc)
+    return proc.log.read_text()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def metrics(out: Path) -> list[dict]:
+    path = out / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def workers(launcher: subprocess.Popen) -> list[int]:
+    """PIDs of the train.py processes torchrun started (bash exec'd torchrun: same PID)."""
+    try:
+        children = psutil.Process(launcher.pid).children()
+    except psutil.NoSuchProcess:
+        return []
+    alive = []
+    for child in children:
+        try:
+            if child.status() != psutil.STATUS_ZOMBIE and "train.py" in child.cmdline():
+                alive.append(child.pid)
+        except psutil.NoSuchProcess:
+            pass
+    return alive
+
+
+def latest_step(out: Path) -> int | None:
+    pointer = out / "checkpoints" / "latest"
+    return int(pointer.read_text().split("_")[1]) if pointer.exists() else None
+
+
+def assert_one_line_per_step_and_the_uninterrupted_maze_stream(out: Path, steps: int, eval_mazes: int = 2):
+    lines = metrics(out)
+    assert [m["step"] for m in lines] == list(range(1, steps + 1))
+    # the seeds a run that never crashed would have drawn: none repeated, none skipped
+    stream = env.TrainMazeStream("small", eval_n=eval_mazes)
+    expected = [[stream.next().seed for _ in range(2)] for _ in range(steps)]
+    assert [m["maze_seeds"] for m in lines] == expected
+    assert lines[-1]["stream_position"] == stream.position
+
+
+# ----------------------------------------------------------------------------- torchrun
+
+def test_two_nodes_on_one_machine(tmp_path, launch):
+    out, shared, port = tmp_path / "run", tmp_path / "shared", free_port()
+    nodes = [launch(out, "--steps", "2", "--shared-dir", str(shared), log=f"node{rank}.txt",
+                    NNODES="2", NPROC_PER_NODE="1", NODE_RANK=str(rank), RDZV_ENDPOINT=f"127.0.0.1:{port}",
+                    RDZV_ID="two-nodes", OMP_NUM_THREADS="1")  # two "nodes" share two cores
+             for rank in (0, 1)]
+    logs = [finish(node) for node in nodes]
+    assert "is not shared" not in "".join(logs)
+    assert (shared / "shared_dir_check.txt").exists()
+    lines = metrics(out)
+    assert [m["step"] for m in lines] == [1, 2]
+    assert lines[-1]["num_groups"] == 2  # one maze per node, both in the group statistics
+    assert (out / "checkpoints" / "latest").read_text() == "step_2"
+
+
+def test_worker_killed_mid_step_is_restarted_and_resumes(tmp_path, launch):
+    out, steps = tmp_path / "run", 4
+    proc = launch(out, "--steps", str(steps), "--ckpt-interval", "1", MAX_RESTARTS="1")
+    # `latest` names step k only after step k's metrics line is written: step k+1 is under way
+    wait_for(lambda: latest_step(out), "the first checkpoint", [proc])
+    time.sleep(1.0)  # into the next step's rollouts
+    [worker] = wait_for(lambda: workers(proc), "the worker", [proc])
+    os.kill(worker, signal.SIGKILL)
+    killed_at = time.time()
+    resumed_step, done_before = latest_step(out), len(metrics(out))
+    last_done_at = (out / "metrics.jsonl").stat().st_mtime
+
+    wait_for(lambda: "torchrun restart 1" in proc.log.read_text(), "the restarted worker to resume", [proc])
+    resumed_at = time.time()
+    wait_for(lambda: any(m["step"] == resumed_step + 1 for m in metrics(out)), "a step after the restart", [proc])
+    first_step_at = time.time()
+    log = finish(proc)
+
+    assert f"resumed from {out}/checkpoints/step_{resumed_step} at step {resumed_step}" in log
+    assert_one_line_per_step_and_the_uninterrupted_maze_stream(out, steps)
+    print(f"\n[recovery] SIGKILL to train.py (pid {worker}) during step {done_before + 1} of {steps}; "
+          f"resumed from step_{resumed_step}: {done_before - resumed_step} finished steps redone, "
+          f"{killed_at - last_done_at:.1f}s of the interrupted step lost; "
+          f"kill -> resumed {resumed_at - killed_at:.1f}s, kill -> first step done {first_step_at - killed_at:.1f}s")
+
+
+def test_kill_during_a_checkpoint_write_loads_the_previous_checkpoint(tmp_path, launch):
+    out, ckpts = tmp_path / "run", tmp_path / "run" / "checkpoints"
+    # train.py SIGKILLs itself in the middle of writing step 2's checkpoint (files half there, no
+    # meta.json), on torchrun's first attempt only
+    proc = launch(out, "--steps", "2", "--ckpt-interval", "1", MAX_RESTARTS="1", GRPO_TEST_KILL_IN_CHECKPOINT="2")
+    [worker] = wait_for(lambda: workers(proc), "the worker", [proc])
+    wait_for(lambda: not psutil.pid_exists(worker) or psutil.Process(worker).status() == psutil.STATUS_ZOMBIE,
+             "the worker to die in its checkpoint write", [proc])
+    # what the crash left: a hidden temp dir with part of step 2, `latest` still on step 1
+    [partial] = list(ckpts.glob(".step_2.tmp-*"))
+    assert (partial / "trainer_state.pt").exists() and not (partial / "meta.json").exists()
+    assert not (ckpts / "step_2").exists() and latest_step(out) == 1
+
+    log = finish(proc)
+    assert "torchrun restart 1" in log
+    assert f"resumed from {ckpts}/step_1 at step 1" in log
+    assert_one_line_per_step_and_the_uninterrupted_maze_stream(out, 2)
+    assert latest_step(out) == 2 and (ckpts / "step_2" / "meta.json").exists()
+    assert not list(ckpts.glob(".*")), "the next checkpoint clears what the crash left"
+
+
+def test_torn_metrics_lines_and_leftover_dirs(tmp_path):
+    """What a crash can leave besides a temp checkpoint: a cut-off metrics line, trash dirs."""
+    assert train.metrics_step('{"step": 3, "reward_mean": 0.5}') == 3
+    assert train.metrics_step('{"step": 4, "rew') is None and train.metrics_step("") is None
+    for name in ("step_1", "step_2", "step_3", ".step_4.tmp-ab", ".step_1.trash-cd"):
+        (tmp_path / name).mkdir()
+    train.prune(tmp_path, "step_", keep=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_2", "step_3"]
+
+
+def test_torchrun_sh_command_lines():
+    def dry(**env_vars):
+        proc = subprocess.run(["bash", "launch/torchrun.sh", "--steps", "3"], cwd=ROOT, capture_output=True,
+                              text=True, timeout=30, env={**os.environ, "DRY_RUN": "1", **env_vars})
+        return proc
+
+    single = dry().stdout
+    assert "--standalone" in single and "--nnodes" not in single and single.rstrip().endswith("train.py --steps 3")
+    assert "OMP_NUM_THREADS=" in single  # CPU: the cores are split between the local processes
+    multi = dry(NNODES="2", RDZV_ENDPOINT="h0:29400", NODE_RANK="1", MAX_RESTARTS="2").stdout
+    for flag in ("--nnodes 2", "--rdzv-backend c10d", "--rdzv-endpoint h0:29400", "--rdzv-conf is_host=0",
+                 "--max-restarts 2"):
+        assert flag in multi
+    missing = dry(NNODES="2")
+    assert missing.returncode == 2 and "RDZV_ENDPOINT" in missing.stderr
+
+
+# ----------------------------------------------------------------------------- Slurm
+
+STUB_SCONTROL = """#!/usr/bin/env bash
+echo "$@" >> "$STUB_LOG/scontrol"
+[ "$1 $2" = "show hostnames" ] && printf '%s\\n' $STUB_HOSTS
+"""
+# srun: record the call, then run the task once per node with what srun would set in it
+STUB_SRUN = """#!/usr/bin/env bash
+echo "$@" >> "$STUB_LOG/srun"
+while [[ "$1" == -* ]]; do shift; done
+i=0
+for host in $STUB_HOSTS; do SLURM_NODEID=$i SLURMD_NODENAME=$host "$@"; i=$((i + 1)); done
+"""
+STUB_NVIDIA_SMI = """#!/usr/bin/env bash
+printf 'GPU 0: Stub (UUID: GPU-0)\\nGPU 1: Stub (UUID: GPU-1)\\n'
+"""
+
+
+def sbatch(tmp_path, with_nvidia_smi=False, **slurm_env) -> tuple[list[list[str]], str]:
+    stubs = tmp_path / "stubs"
+    stubs.mkdir(exist_ok=True)
+    scripts = {"scontrol": STUB_SCONTROL, "srun": STUB_SRUN} | ({"nvidia-smi": STUB_NVIDIA_SMI} if with_nvidia_smi else {})
+    for name, text in scripts.items():
+        (stubs / name).write_text(text)
+        (stubs / name).chmod(0o755)
+    environ = {**os.environ, "PATH": f"{stubs}:{os.environ['PATH']}", "STUB_LOG": str(tmp_path),
+               "STUB_HOSTS": "gpu07 gpu08", "DRY_RUN": "1", "RUN_DIR": str(tmp_path / "run"),
+               "SLURM_SUBMIT_DIR": str(ROOT), "SLURM_JOB_NAME": "grpo-maze", "SLURM_JOB_ID": "4242",
+               "SLURM_JOB_NODELIST": "gpu[07-08]", **slurm_env}
+    for var in ("SLURM_GPUS_ON_NODE", "SLURM_GPUS_PER_NODE"):
+        if var not in slurm_env:
+            environ.pop(var, None)
+    # Slurm runs a copy of the script from its spool dir, not from the repository
+    copy = tmp_path / "slurm_script"
+    copy.write_text((ROOT / "launch" / "slurm.sbatch").read_text())
+    proc = subprocess.run(["bash", str(copy), "--steps", "5"], cwd=tmp_path, env=environ,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    commands = [shlex.split(line) for line in proc.stdout.splitlines() if "torch.distributed.run" in line]
+    return commands, (tmp_path / "srun").read_text()
+
+
+def test_slurm_script_runs_torchrun_once_per_node(tmp_path):
+    commands, srun_argv = sbatch(tmp_path, SLURM_GPUS_ON_NODE="4")
+    assert "--ntasks-per-node=1" in srun_argv and "--kill-on-bad-exit=1" in srun_argv
+    assert (tmp_path / "scontrol").read_text().split() == ["show", "hostnames", "gpu[07-08]"]
+    run = str(tmp_path / "run")
+    assert len(commands) == 2  # one torchrun per node
+    for node, cmd in enumerate(commands):
+        launcher = cmd[cmd.index("torch.distributed.run") + 1:cmd.index("train.py")]
+        assert launcher == ["--nproc-per-node", "4", "--max-restarts", "3", "--nnodes", "2",
+                            "--rdzv-backend", "c10d", "--rdzv-endpoint", "gpu07:29400", "--rdzv-id", "slurm-4242",
+                            "--rdzv-conf", f"is_host={int(node == 0)}"]
+        assert cmd[cmd.index("train.py") + 1:] == ["--out-dir", run, "--shared-dir", f"{run}/shared", "--steps", "5"]
+
+    # GPUs per node from the other places Slurm (or the node) tells
+    commands, _ = sbatch(tmp_path, SLURM_GPUS_PER_NODE="h100:8")
+    assert all(cmd[cmd.index("--nproc-per-node") + 1] == "8" for cmd in commands)
+    commands, _ = sbatch(tmp_path, with_nvidia_smi=True)
+    assert all(cmd[cmd.index("--nproc-per-node") + 1] == "2" for cmd in commands)
+
+    headers = [line.split()[1] for line in (ROOT / "launch" / "slurm.sbatch").read_text().splitlines()
+               if line.startswith("#SBATCH")]
+    for flag in ("--ntasks-per-node=1", "--requeue", "--nodes=2", "--gpus-per-node=8"):
+        assert flag in headers
+
+
+# ----------------------------------------------------------------------------- Kubernetes
+
+def test_kubernetes_manifests(tmp_path):
+    docs = [d for f in ("job.yaml", "pvc.yaml")
+            for d in yaml.safe_load_all((ROOT / "launch" / "k8s" / f).read_text()) if d]
+    by_kind = {d["kind"]: d for d in docs}
+    assert sorted(by_kind) == ["Job", "PersistentVolumeClaim", "Service"]
+    service, job, pvc = by_kind["Service"], by_kind["Job"], by_kind["PersistentVolumeClaim"]
+
+    assert pvc["spec"]["accessModes"] == ["ReadWriteMany"]
+    spec, pod = job["spec"], job["spec"]["template"]["spec"]
+    assert spec["completionMode"] == "Indexed" and spec["completions"] == spec["parallelism"]
+    assert spec["backoffLimit"] >= 1 and pod["restartPolicy"] == "OnFailure"
+    # the headless Service gives pod 0 the DNS name the rendezvous endpoint uses
+    assert service["spec"]["clusterIP"] == "None" and pod["subdomain"] == service["metadata"]["name"]
+    assert service["spec"]["selector"] == {"job-name": job["metadata"]["name"]}
+    [container] = pod["containers"]
+    environ = {e["name"]: e["value"] for e in container["env"]}
+    assert int(environ["NNODES"]) == spec["completions"]
+    assert environ["RDZV_ENDPOINT"] == f"{job['metadata']['name']}-0.{service['metadata']['name']}:29400"
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == int(environ["NPROC_PER_NODE"])
+    [claim] = [v for v in pod["volumes"] if "persistentVolumeClaim" in v]
+    assert claim["persistentVolumeClaim"]["claimName"] == pvc["metadata"]["name"]
+    [mount] = [m for m in container["volumeMounts"] if m["name"] == claim["name"]]
+    script = " ".join(container["args"])
+    assert f"--out-dir {mount['mountPath']}/" in script and f"--shared-dir {mount['mountPath']}/" in script
+
+    # the container's command, run here: pod i hosts the rendezvous iff i == 0
+    for index in (0, 1):
+        proc = subprocess.run(container["command"] + container["args"], cwd=ROOT, capture_output=True, text=True,
+                              timeout=30, env={**os.environ, **environ, "JOB_COMPLETION_INDEX": str(index),
+                                               "DRY_RUN": "1"})
+        assert proc.returncode == 0, proc.stderr
+        cmd = shlex.split(proc.stdout.splitlines()[-1])
+        assert cmd[cmd.index("--nnodes") + 1] == "2" and cmd[cmd.index("--nproc-per-node") + 1] == "8"
+        assert cmd[cmd.index("--rdzv-endpoint") + 1] == "grpo-maze-0.grpo-maze:29400"
+        assert cmd[cmd.index("--rdzv-conf") + 1] == f"is_host={int(index == 0)}"
