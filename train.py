@@ -680,8 +680,6 @@ def main(cfg: Config):
 
         # 1. rollouts: every rank draws the same mazes from the stream and plays its share
         t0 = time.time()
-        if on_gpu:
-            engine.wake_up()
         mazes = [stream.next() for _ in range(cfg.prompts_per_step)]
         mine = list(range(rank * P_rank, (rank + 1) * P_rank))
         episodes = rollout.play_episodes(
@@ -692,7 +690,9 @@ def main(cfg: Config):
             desc=f"rollout@{step + 1}",
             progress=cfg.progress and rank == 0)
         if on_gpu:
-            engine.sleep(level=1)  # LoRA-only updates: level 1 keeps the base weights (in CPU RAM)
+            # Time-slicing: the engine gives the GPU to the trainer. Level 1 moves the weights to
+            # CPU RAM and drops the KV cache; level 2 would discard the base weights we still need.
+            engine.sleep(level=1)
         timing["rollout_s"] = time.time() - t0
         metrics.update(rollout.rollout_metrics(episodes))
 
@@ -716,7 +716,9 @@ def main(cfg: Config):
                                    episode_of, old, ref, len(episodes), device))
         timing["update_s"] = time.time() - t0
 
-        # 4. LoRA sync through shared storage
+        # 4. LoRA sync through shared storage (the engine is awake again from here to the next update)
+        if on_gpu:
+            engine.wake_up()
         lora_request, lora_state, sync_stats = sync_adapter(model, engine, shared, step + 1, cfg.keep_syncs)
         timing["sync_s"] = sync_stats["sync_s"]
         metrics["sync_bytes"] = sync_stats["sync_bytes"]
@@ -725,8 +727,6 @@ def main(cfg: Config):
         done = step + 1
         t0 = time.time()
         if done % cfg.eval_interval == 0 or done == cfg.steps:
-            if on_gpu:
-                engine.wake_up()
             result = evaluate(cfg, engine, chat, lora_request, done, out)
             metrics["eval_solve_rate"] = result["solve_rate"]
             log0(f"eval step {done}: solved {result['solved']}/{result['total']}")
