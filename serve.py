@@ -1,7 +1,7 @@
 """Serve a base model and its LoRA adapters over HTTP, and play the eval mazes through the server.
 
     python serve.py --adapters runs/default/adapters            # the tiny model on 127.0.0.1:8000
-    python serve.py --model Qwen/Qwen3-VL-8B-Instruct --adapters runs/8b/adapters --max-loras 4
+    python serve.py --model Qwen/Qwen3-VL-8B-Instruct --adapters runs/8b/adapters --max-model-len 16000
     python serve.py eval --url http://127.0.0.1:8000 --model tiny-qwen3-vl:step_20
 
 The server is vLLM's own OpenAI-compatible server; this file only configures it. One base model,
@@ -184,15 +184,18 @@ def vllm_argv(args, max_lora_rank: int, extra: list[str]) -> list[str]:
         "--enable-lora", "--max-lora-rank", str(max_lora_rank),
         "--max-loras", str(args.max_loras), "--max-cpu-loras", str(args.max_cpu_loras),
         "--middleware", f"{__name__}.ServedRoutesOnly",
-        "--seed", "0",
     ]
+    if not on_gpu:
+        # Whole prefills, like rollout.build_engine on CPU: a seeded request whose prefill is split
+        # over engine steps kills the CPU engine ("CPU Generator does not use offset").
+        argv += ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(max(args.max_model_len, 8192))]
     if args.api_key:
         argv += ["--api-key", args.api_key]
     return argv + extra
 
 
 def serve(argv: list[str]):
-    parser = argparse.ArgumentParser(description="Serve a base model and its LoRA adapters (vLLM).")
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="", help="HF model dir or id; default: the tiny model")
     parser.add_argument("--adapters", required=True, help="adapter root: every adapter below it is servable")
     parser.add_argument("--served-name", default="", help="the base model's name; default: the model dir's name")
@@ -220,21 +223,22 @@ def serve(argv: list[str]):
         raise SystemExit(f"--adapters {args.adapters}: not a directory")
     adapters = find_adapters(root)
     max_lora_rank = choose_max_lora_rank(adapters, args.max_lora_rank)
-    print(f"[serve] {args.served_name} = {args.model}; {len(adapters)} adapters under {root} "
-          f"(serve as {args.served_name}:<adapter>), max LoRA rank {max_lora_rank}", flush=True)
+    names = ", ".join(sorted(adapters)[:8]) + (", ..." if len(adapters) > 8 else "")
+    print(f"[serve] {len(adapters)} adapters under {root} ({names or 'none yet'}); max LoRA rank {max_lora_rank}\n"
+          f"[serve] model {args.served_name!r}: {args.model}; adapters: '{args.served_name}:<adapter>'", flush=True)
 
     # Adapters by name on first request. Only our resolver may find them: vLLM's own resolver
     # plugins would look elsewhere (any local dir, the HF hub) if their variables were set.
     os.environ["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
-    # The engine core always runs in a process of its own behind the server. rollout.py's
-    # VLLM_ENABLE_V1_MULTIPROCESSING=0 stays: on CPU it lets that process run the model itself
-    # instead of spawning one more worker process (start-up 30 s instead of 45 s here).
     for variable in ("VLLM_LORA_RESOLVER_CACHE_DIR", "VLLM_LORA_RESOLVER_HF_REPO_LIST"):
         os.environ.pop(variable, None)
     from vllm.lora.resolver import LoRAResolverRegistry
 
     LoRAResolverRegistry.register_resolver("adapter root", make_resolver(root, args.served_name))
 
+    # The engine core always runs in a process of its own behind the server. rollout.py's
+    # VLLM_ENABLE_V1_MULTIPROCESSING=0 stays: on CPU it lets that process run the model itself
+    # instead of spawning one more worker process (start-up 30 s instead of 45 s here).
     import uvloop
     from vllm.entrypoints.launchers.api_server.entry import run_server
     from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
@@ -252,10 +256,10 @@ def serve(argv: list[str]):
 # A vLLM bug on CPU, and its fix. Each token in a batch carries the slot of its adapter, or -1
 # for none (a base-model request). The GPU kernels skip -1; the PyTorch ops used on CPU index
 # the stacked adapter weights with it, and -1 picks the LAST slot. So once that slot holds an
-# adapter, base-model requests silently get its delta: every token when batched beside adapter
-# requests, and the generated ones even when alone. (Upstream: vllm-project/vllm#48421, open as
-# of vLLM 0.32.) The fix: give the ops one more slot, all zeros, at the end, where -1 then
-# points. Harmless once vLLM fixes it; remove it then.
+# adapter, base-model requests batched beside adapter requests silently get its delta (and the
+# prefix cache hands the wrong state on to later requests with the same prompt). Upstream:
+# vllm-project/vllm#48421, open as of vLLM 0.32. The fix: give the ops one more slot, all
+# zeros, at the end, where -1 then points. Harmless once vLLM fixes it; remove it then.
 
 def _with_zero_last_slot(op):
     def op_with_zero_slot(inputs, lora_weights, output, lora_indices, *args, **kwargs):
@@ -306,7 +310,7 @@ def http_replies(url: str, model: str, max_new_tokens: int, api_key: str = "", b
     return reply_fn
 
 
-def vision_token_ids(url: str, model: str, api_key: str = "", processor: str = "") -> list[int]:
+def vision_token_ids(url: str, api_key: str = "", processor: str = "") -> list[int]:
     """The tokens the trainer bans from replies (`rollout.ChatFormat.banned_token_ids`), read from
     the base model's processor: `processor` if given, else the path the server reports for it."""
     from openai import OpenAI
@@ -323,7 +327,7 @@ def evaluate(url: str, model: str, *, difficulty: str = "small", n: int = 64, ma
              api_key: str = "", processor: str = "", concurrency: int = 64, progress: bool = True) -> dict:
     """Greedy play of the eval mazes through the server: `train.evaluate`'s JSON, without `step`."""
     mazes = env.eval_mazes(difficulty, n)
-    banned = vision_token_ids(url, model, api_key, processor)
+    banned = vision_token_ids(url, api_key, processor)
     episodes = rollout.play_chat_episodes(
         mazes, http_replies(url, model, max_new_tokens, api_key, banned, concurrency),
         max_turns=max_turns, cell_px=cell_px, max_images=max_images, desc=f"eval {model}", progress=progress)
@@ -336,7 +340,7 @@ def evaluate(url: str, model: str, *, difficulty: str = "small", n: int = 64, ma
 
 
 def eval_main(argv: list[str]):
-    parser = argparse.ArgumentParser(description="Play the eval mazes through a running server.")
+    parser = argparse.ArgumentParser(prog="serve.py eval", description="Play the eval mazes through a running server.")
     parser.add_argument("--url", default="http://127.0.0.1:8000")
     parser.add_argument("--model", required=True, help="<base> or <base>:<adapter>")
     parser.add_argument("--difficulty", default="small", choices=list(env.DIFFICULTY_SIZES))
@@ -352,14 +356,16 @@ def eval_main(argv: list[str]):
     parser.add_argument("--concurrency", type=int, default=64, help="requests in flight at once")
     parser.add_argument("--out", default="", help="write the result JSON here")
     args = parser.parse_args(argv)
-    from openai import APIError
+    from openai import APIError, AuthenticationError
 
     try:
         result = evaluate(args.url, args.model, difficulty=args.difficulty, n=args.n, max_turns=args.max_turns,
                           max_new_tokens=args.max_new_tokens, max_images=args.max_images or None,
                           cell_px=args.cell_px, api_key=args.api_key, processor=args.processor,
                           concurrency=args.concurrency)
-    except APIError as e:  # unknown model, wrong key, server gone: say so, without a traceback
+    except AuthenticationError:
+        raise SystemExit(f"{args.url}: 401, the server wants its API key (--api-key or $VLLM_API_KEY)")
+    except APIError as e:  # an unknown model, the server gone: say so, without a traceback
         raise SystemExit(f"{args.url}: {e.message}")
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
