@@ -11,7 +11,7 @@ cd "$(dirname "$0")/.."
 
 stack="${GRPO_STACK:-auto}"
 if [ "$stack" = auto ]; then
-  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q GPU; then stack=gpu; else stack=cpu; fi
+  if command -v nvidia-smi >/dev/null 2>&1 && [ "$(nvidia-smi -L 2>/dev/null | grep -c GPU)" -gt 0 ]; then stack=gpu; else stack=cpu; fi
 fi
 case "$stack" in
   cpu) reqs=(-r requirements-cpu.txt --override requirements-cpu-override.txt) ;;

@@ -19,6 +19,7 @@
 #                   steps since the last checkpoint (--ckpt-interval) plus one start-up
 #   PYTHON          interpreter (default .venv/bin/python, else python3)
 #   DRY_RUN=1       print the command instead of running it
+# It runs from the repository root: relative paths in the arguments are relative to that.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
