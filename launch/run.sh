@@ -1,6 +1,16 @@
 #!/usr/bin/env bash
-# Set up (idempotent) and run the main job; extra arguments go to train.py.
+# The main job, end to end on one machine:
+#   set up .venv -> build the tiny Qwen3-VL -> SFT warm start (sft.py) -> GRPO (train.py)
+#   -> final eval -> report (solve-rate curve PNG, a replayed episode GIF, before/after table).
+# Extra arguments go to train.py. OUT (default runs/main) holds everything; the SFT model is
+# reused if it is already there, and train.py resumes from its latest checkpoint.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash launch/setup.sh
-exec .venv/bin/python train.py "$@"
+out="${OUT:-runs/main}"
+if [ ! -f "$out/sft/model/config.json" ]; then
+  .venv/bin/python sft.py --out "$out/sft" --difficulty small --max-images 1 ${SFT_ARGS:-}
+fi
+.venv/bin/python train.py --model "$out/sft/model" --out-dir "$out/grpo" --difficulty small \
+  --max-images 1 --lora-rank 8 "$@"
+.venv/bin/python launch/report.py "$out/grpo"

@@ -1,0 +1,83 @@
+"""The SFT data path: demonstrations in the rollout's exact format, replies the only targets."""
+
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+from transformers import AutoProcessor, GenerationConfig
+
+import env
+import rollout
+import sft
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _setup(tiny_model):
+    processor = AutoProcessor.from_pretrained(tiny_model)
+    eos = GenerationConfig.from_pretrained(tiny_model).eos_token_id
+    chat = rollout.ChatFormat(processor, eos)
+    replies = {a: chat._ids(f"<answer>{a}</answer>") + [eos[0]] for a in env.ACTION_STRINGS}
+    return processor, chat, replies
+
+
+def _masked_segments(seq):
+    segments, current = [], []
+    for token, m in zip(seq.token_ids, seq.response_mask):
+        if m:
+            current.append(token)
+        elif current:
+            segments.append(current)
+            current = []
+    return segments + ([current] if current else [])
+
+
+def test_demonstrations_train_only_on_replies(tiny_model):
+    processor, chat, replies = _setup(tiny_model)
+    maze = env.generate_maze(7, seed=1_000_123)
+    plan = env.solve(maze)
+    seqs = sft.demonstration(maze, chat, replies, random.Random(0), max_turns=30, max_images=1,
+                             cell_px=32, noise=0.0)
+    assert len(seqs) == len(plan)  # one sequence per turn with the last-image policy
+    for seq, action in zip(seqs, plan):
+        assert _masked_segments(seq) == [replies[action]]  # exactly the reply, nothing else
+        assert processor.tokenizer.decode(replies[action], skip_special_tokens=True) == f"<answer>{action}</answer>"
+        assert len(seq.images) == 1
+        assert seq.token_ids.count(processor.image_token_id) == chat.image_tokens(seq.images[0])
+
+    full = sft.demonstration(maze, chat, replies, random.Random(0), max_turns=30, max_images=None,
+                             cell_px=32, noise=0.0)
+    assert len(full) == 1 and len(full[0].images) == len(plan)  # full history: one sequence
+    assert _masked_segments(full[0]) == [replies[a] for a in plan]
+
+
+def test_noisy_turns_are_context_not_targets(tiny_model):
+    _, chat, replies = _setup(tiny_model)
+    maze = env.generate_maze(7, seed=1_000_456)
+    seqs = sft.demonstration(maze, chat, replies, random.Random(3), max_turns=15, max_images=1,
+                             cell_px=32, noise=0.5)
+    # every trained reply is the BFS move from the state its image shows
+    for seq in seqs:
+        (target,) = _masked_segments(seq)
+        action = next(a for a, ids in replies.items() if ids == target)
+        agent = next((r, c) for r in range(maze.size) for c in range(maze.size)
+                     if env.render(maze, (r, c)).tobytes() == seq.images[0].tobytes())
+        assert action == env.solve(maze, start=agent)[0]
+
+
+def test_sft_then_grpo_smoke(tmp_path, tiny_model):
+    """A few SFT steps write an ordinary HF model that train.py starts GRPO from."""
+    sft_out = tmp_path / "sft"
+    proc = subprocess.run([sys.executable, "sft.py", "--out", str(sft_out), "--steps", "3", "--batch-size", "8",
+                           "--log-every", "1"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (sft_out / "model" / "config.json").exists() and (sft_out / "model" / "chat_template.jinja").exists()
+    assert len((sft_out / "sft_metrics.jsonl").read_text().splitlines()) == 3
+    run = tmp_path / "grpo"
+    proc = subprocess.run([sys.executable, "train.py", "--model", str(sft_out / "model"), "--out-dir", str(run),
+                           "--steps", "1", "--prompts-per-step", "2", "--group-size", "2", "--max-turns", "3",
+                           "--max-new-tokens", "6", "--eval-mazes", "4", "--lora-rank", "8", "--max-images", "1",
+                           "--progress", "false"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (run / "eval" / "step_1.json").exists() and (run / "adapters" / "step_1").exists()
