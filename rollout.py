@@ -17,9 +17,16 @@ sees:
 Images: we send one `<|image_pad|>` per image and vLLM expands it into one token per merged
 patch; the expanded prompt comes back in `RequestOutput.prompt_token_ids`, and that expanded
 form is what we store, because the trainer's forward pass needs it too.
+
+What a turn costs (bench/bench.py measures it). Every turn re-sends each episode's whole
+conversation, images included. Prefix caching makes the engine compute only the new tokens, but
+vLLM would still hash every image of every prompt to look it up; we hash each image once, when
+the env renders it, and pass the digest as its `multi_modal_uuids` entry. Replies are decoded
+once per turn in one batch, instead of token by token inside the engine (`detokenize=False`).
 """
 
 import base64
+import hashlib
 import io
 import os
 from dataclasses import dataclass, field
@@ -45,11 +52,12 @@ LORA_TARGET_REGEX = r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj
 
 def build_engine(model: str, *, max_model_len: int, max_lora_rank: int, seed: int,
                  gpu_memory_utilization: float = 0.45, max_images: int = 16,
-                 external_launcher: bool = False):
+                 external_launcher: bool = False, **engine_kwargs):
     """An in-process vLLM engine with LoRA and prefix caching.
 
     With `external_launcher` every torchrun rank builds its own engine inside its own process
-    (vLLM then joins the process group torchrun created instead of spawning workers).
+    (vLLM then joins the process group torchrun created instead of spawning workers). Any other
+    keyword goes to `vllm.LLM` as is, overriding ours (bench/bench.py tries `enforce_eager`).
     """
     from vllm import LLM
 
@@ -63,8 +71,21 @@ def build_engine(model: str, *, max_model_len: int, max_lora_rank: int, seed: in
     )
     if on_gpu:
         kwargs.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=True)
+    else:
+        # Whole prefills only. A prefill split over two engine steps samples a token after the
+        # first part and throws it away, rewinding that request's seeded generator, and a CPU
+        # generator cannot rewind ("CPU Generator does not use offset"): with per-request seeds
+        # that crashes as soon as a turn's prompts exceed one step's token budget. The budget is
+        # then the smallest that fits one whole prompt: vLLM's CPU LoRA kernels copy the adapter
+        # weights per token, and smaller steps ran faster (bench/bench.py).
+        # Prefix-cache blocks of 32 tokens instead of the CPU default 128: the cache reuses whole
+        # blocks only, so a turn recomputes the tail of the previous one; 32 cut the prompt
+        # tokens computed per rollout by 14%.
+        kwargs.update(enable_chunked_prefill=False, max_num_batched_tokens=max(max_model_len, 2048),
+                      block_size=32)
     if external_launcher:
         kwargs.update(distributed_executor_backend="external_launcher")
+    kwargs.update(engine_kwargs)
     return LLM(**kwargs)
 
 
@@ -89,6 +110,7 @@ class ChatFormat:
             "image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id"))
             if isinstance(t, int)]
         self._image_tokens = {}  # image size -> number of tokens the image expands to
+        self._next_turn = {}  # (observation text, with image, end token of the reply or None) -> ids
 
     @staticmethod
     def user_turn(text: str, with_image: bool = True):
@@ -105,16 +127,20 @@ class ChatFormat:
 
     def next_turn(self, observation_text: str, reply_ids: list[int], with_image: bool = True) -> list[int]:
         """Ids that close the assistant reply (unless it ended itself) and open the next turn."""
-        conversation = [self.user_turn("x"), {"role": "assistant", "content": self.MARK},
-                        self.user_turn(observation_text, with_image)]
-        text = self.processor.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
-        after_reply = text[text.index(self.MARK) + len(self.MARK):]
-        if reply_ids and reply_ids[-1] in self.eos_token_ids:
-            # the reply already holds the end-of-turn token the template would write next
-            eos_text = self.tokenizer.decode([reply_ids[-1]])
-            if after_reply.startswith(eos_text):
-                after_reply = after_reply[len(eos_text):]
-        return self._ids(after_reply)
+        end = reply_ids[-1] if reply_ids and reply_ids[-1] in self.eos_token_ids else None
+        key = (observation_text, with_image, end)
+        if key not in self._next_turn:  # observation texts repeat a lot: render each one once
+            conversation = [self.user_turn("x"), {"role": "assistant", "content": self.MARK},
+                            self.user_turn(observation_text, with_image)]
+            text = self.processor.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+            after_reply = text[text.index(self.MARK) + len(self.MARK):]
+            if end is not None:
+                # the reply already holds the end-of-turn token the template would write next
+                eos_text = self.tokenizer.decode([end])
+                if after_reply.startswith(eos_text):
+                    after_reply = after_reply[len(eos_text):]
+            self._next_turn[key] = self._ids(after_reply)
+        return list(self._next_turn[key])
 
     def expand(self, ids: list[int], images: list) -> list[int]:
         """What vLLM and the HF processor do to a prompt: one <|image_pad|> -> one per patch."""
@@ -122,6 +148,11 @@ class ChatFormat:
         for t in ids:
             out += [t] * self.image_tokens(next(images)) if t == self.image_token_id else [t]
         return out
+
+    def expanded_len(self, ids: list[int], images: list) -> int:
+        """len(expand(ids, images)), without building the list: each image's one placeholder
+        becomes image_tokens(image) tokens."""
+        return len(ids) + sum(self.image_tokens(image) - 1 for image in images)
 
     def image_tokens(self, image) -> int:
         """How many tokens one image expands to (one per merged patch)."""
@@ -185,7 +216,8 @@ class Episode:
 def play_episodes(engine, chat: ChatFormat, mazes: list, group_ids: list, *, samples_per_maze: int,
                   max_turns: int, max_new_tokens: int, max_model_len: int, temperature: float,
                   seed: int, lora_request=None, cell_px: int = env.CELL_PX_TINY,
-                  max_images: int | None = None, desc: str = "rollout", progress: bool = True) -> list:
+                  max_images: int | None = None, min_new_tokens: int = 0, desc: str = "rollout",
+                  progress: bool = True) -> list:
     """Play every maze `samples_per_maze` times to the end; return the finished episodes.
 
     `group_ids` must be unique across the whole run (and across ranks): with the member index
@@ -195,8 +227,17 @@ def play_episodes(engine, chat: ChatFormat, mazes: list, group_ids: list, *, sam
     training sequence with every reply masked in. With `max_images=k` only the last k user turns
     keep their image (older turns keep their text); earlier prompts then are no longer prefixes
     of later ones, so every turn becomes its own sequence: its prompt as sent plus its reply.
+
+    `min_new_tokens` forbids ending a reply earlier (benchmarks set it to `max_new_tokens`, so
+    that every reply has the same length whatever the model).
     """
     from vllm import SamplingParams
+
+    digests = {}  # id(image) -> content digest, computed once per image (the episodes keep them alive)
+
+    def add_image(episode: Episode, image):
+        episode.images.append(image)
+        digests[id(image)] = image_digest(image)
 
     episodes, games = [], []
     for maze, group_id in zip(mazes, group_ids):
@@ -206,20 +247,22 @@ def play_episodes(engine, chat: ChatFormat, mazes: list, group_ids: list, *, sam
             obs = game.reset()
             episode.user_turns.append(chat.first_turn(obs.text))
             episode.user_turns_text_only.append(chat.first_turn(obs.text, with_image=False) if max_images else [])
-            episode.images.append(obs.image)
+            add_image(episode, obs.image)
             episodes.append(episode)
             games.append(game)
 
     no_vision_tokens = {t: -100.0 for t in chat.banned_token_ids}
 
     def sampling_params(episode: Episode, turn: int):
+        # detokenize=False: the engine returns token ids only; we decode each reply once, below
         if temperature == 0.0:
-            return SamplingParams(temperature=0.0, max_tokens=max_new_tokens, logit_bias=no_vision_tokens)
+            return SamplingParams(temperature=0.0, max_tokens=max_new_tokens, min_tokens=min_new_tokens,
+                                  logit_bias=no_vision_tokens, detokenize=False)
         # A distinct seed per (run seed, episode, turn): samples differ across a group's members,
         # and a resumed run draws exactly what an uninterrupted run would have drawn.
         request_seed = (seed * 1_000_003 + episode.sample_id * 1_009 + turn) % (2**31 - 1)
-        return SamplingParams(temperature=temperature, max_tokens=max_new_tokens, logprobs=0,
-                              seed=request_seed, logit_bias=no_vision_tokens)
+        return SamplingParams(temperature=temperature, max_tokens=max_new_tokens, min_tokens=min_new_tokens,
+                              logprobs=0, seed=request_seed, logit_bias=no_vision_tokens, detokenize=False)
 
     bar = tqdm(total=len(episodes), desc=desc, unit="ep", disable=not progress, leave=False)
     turn = 0
@@ -227,10 +270,12 @@ def play_episodes(engine, chat: ChatFormat, mazes: list, group_ids: list, *, sam
         prompts = []
         for i in active:
             ids, images = episodes[i].next_prompt(max_images)
-            prompts.append({"prompt_token_ids": ids, "multi_modal_data": {"image": images}})
+            prompts.append({"prompt_token_ids": ids, "multi_modal_data": {"image": images},
+                            "multi_modal_uuids": {"image": [digests[id(image)] for image in images]}})
         params = [sampling_params(episodes[i], turn) for i in active]
         outputs = engine.generate(prompts, params, lora_request=lora_request, use_tqdm=False)
-        for i, prompt, out in zip(active, prompts, outputs):
+        texts = decode_replies(chat.tokenizer, [out.outputs[0].token_ids for out in outputs])
+        for i, prompt, out, text in zip(active, prompts, outputs, texts):
             episode, game, completion = episodes[i], games[i], out.outputs[0]
             reply_ids = list(completion.token_ids)
             expanded_prompt = list(out.prompt_token_ids)  # vLLM expanded the image placeholders
@@ -254,10 +299,10 @@ def play_episodes(engine, chat: ChatFormat, mazes: list, group_ids: list, *, sam
                     expanded_prompt + reply_ids, [0] * len(expanded_prompt) + [1] * len(reply_ids),
                     [0.0] * len(expanded_prompt) + reply_logprobs, images))
             episode.reply_ids.append(reply_ids)
-            episode.replies.append(completion.text)
+            episode.replies.append(text)
             episode.truncated_replies += completion.finish_reason == "length"
 
-            obs = game.step(completion.text)
+            obs = game.step(text)
             episode.invalid_actions += not obs.valid
             if game.done:
                 episode.done, episode.reward, episode.solved = True, obs.reward, game.solved
@@ -267,14 +312,30 @@ def play_episodes(engine, chat: ChatFormat, mazes: list, group_ids: list, *, sam
             episode.user_turns.append(chat.next_turn(obs.text, reply_ids))
             episode.user_turns_text_only.append(chat.next_turn(obs.text, reply_ids, with_image=False)
                                                 if max_images else [])
-            episode.images.append(obs.image)
+            add_image(episode, obs.image)
             ids, images = episode.next_prompt(max_images)
-            if len(chat.expand(ids, images)) + max_new_tokens > max_model_len:
+            if chat.expanded_len(ids, images) + max_new_tokens > max_model_len:
                 episode.done, episode.end_reason = True, "context_limit"
                 bar.update(1)
         turn += 1
     bar.close()
     return episodes
+
+
+def image_digest(image) -> str:
+    """A content digest of an image, vLLM's key for it in its caches (our `multi_modal_uuids`)."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(f"{image.mode}:{image.size}:".encode())
+    h.update(image.tobytes())
+    return "img-" + h.hexdigest()
+
+
+def decode_replies(tokenizer, replies: list) -> list[str]:
+    """Reply texts as vLLM's detokenizer gives them: special tokens skipped, and an incomplete
+    UTF-8 sequence at the very end (a reply cut mid-character) left out."""
+    texts = tokenizer.batch_decode([list(r) for r in replies], skip_special_tokens=True,
+                                   clean_up_tokenization_spaces=False)
+    return [t.rstrip("\ufffd") for t in texts]
 
 
 # ----------------------------------------------------------------------------- greedy evaluation

@@ -1,0 +1,633 @@
+"""Benchmarks: how fast the pieces are and where the time goes. Apart from the tests; nothing
+here gates CI on timing.
+
+    .venv/bin/python bench/bench.py --quick      # a few minutes on 2 CPU cores
+    .venv/bin/python bench/bench.py              # the full set (about 25 minutes on 2 CPU cores)
+    .venv/bin/python bench/bench.py --only rollout --profile
+
+Sections (`--only` picks some):
+
+  coldstart  engine start and first `generate`, each in a fresh process, per engine setting
+  train      a real training step, phase by phase, for 1 and 2 processes (`train.py`, `torchrun`)
+  sync       LoRA sync: bytes, seconds and share of the step from those runs; write + load of a
+             rank-32 adapter with the shape of Qwen3-VL-8B
+  rollout    `rollout.play_episodes` (vLLM, token-in/token-out) against a plain transformers
+             `generate` loop on the same episodes, at 8 and 15 turns; `--profile` adds where the
+             vLLM rollout's time goes
+
+GPU training efficiency (tokens/s, MFU, memory) is `bench/gpu_mfu.py`, for machines with a GPU.
+
+Every timing is repeated; the table gives the median and the spread (min-max). Machines are often
+shared, so the load average (`os.getloadavg()`) is recorded beside every section: compare runs
+only at similar load. The table is printed at the end, and everything is written as JSON to
+`bench/results/<date>-<mode>.json` (small: figures only).
+"""
+
+import argparse
+import contextlib
+import cProfile
+import datetime
+import json
+import os
+import platform
+import pstats
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
+
+import rollout  # noqa: E402  (first: it sets vLLM's environment before anything imports vllm)
+
+import torch  # noqa: E402
+
+import env  # noqa: E402
+import shapes  # noqa: E402  (bench/shapes.py)
+
+RESULTS = ROOT / "bench" / "results"
+
+
+# ----------------------------------------------------------------------------- small helpers
+
+def load() -> list:
+    """The 1, 5 and 15 minute load averages, rounded: how busy the machine was."""
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def summary(values: list) -> dict:
+    """Median and spread of repeated measurements."""
+    values = [v for v in values if v is not None]
+    if not values:
+        return {"median": None, "min": None, "max": None, "n": 0}
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
+
+
+def fmt(s: dict, digits: int = 3) -> str:
+    """`median (min-max)` for the table."""
+    if s["median"] is None:
+        return "n/a"
+    g = lambda x: f"{x:.{digits}g}"  # noqa: E731
+    return g(s["median"]) if s["n"] == 1 else f"{g(s['median'])} ({g(s['min'])}-{g(s['max'])})"
+
+
+def log(*args):
+    print(f"[bench {time.strftime('%H:%M:%S')}]", *args, flush=True)
+
+
+def tiny_model() -> str:
+    from launch.make_tiny_model import ensure_tiny_model
+
+    return str(ensure_tiny_model())
+
+
+# ----------------------------------------------------------------------------- 1. rollout engine
+
+def hf_play_episodes(model, processor, mazes: list, *, samples_per_maze: int, max_turns: int,
+                     max_new_tokens: int, temperature: float, banned_token_ids: list, cell_px: int,
+                     seed: int) -> dict:
+    """The plain alternative to `rollout.play_episodes`: a transformers `generate` loop.
+
+    What one writes without vLLM: every turn, the whole conversation of every active episode is
+    rendered by the chat template and re-encoded by the processor (text and every image so far),
+    left-padded into one batch, and `generate` samples the replies (KV cache on, no grad, eval
+    mode). Replies are kept as text. The same mazes, turn limit and sampling as the vLLM side:
+    temperature, no top-k/top-p, vision tokens banned, and exactly `max_new_tokens` per reply.
+    """
+    torch.manual_seed(seed)
+    games, conversations = [], []
+    for maze in mazes:
+        for _ in range(samples_per_maze):
+            game = env.MazeEnv(maze, max_turns=max_turns, cell_px=cell_px)
+            obs = game.reset()
+            games.append(game)
+            conversations.append({"messages": [rollout.ChatFormat.user_turn(env.INSTRUCTIONS + "\n" + obs.text)],
+                                  "images": [obs.image]})
+    turns = tokens = 0
+    with torch.no_grad():
+        while active := [i for i, g in enumerate(games) if not g.done]:
+            texts = [processor.apply_chat_template(conversations[i]["messages"], add_generation_prompt=True,
+                                                   tokenize=False) for i in active]
+            images = [image for i in active for image in conversations[i]["images"]]
+            inputs = processor(text=texts, images=images, padding=True, padding_side="left", return_tensors="pt")
+            out = model.generate(**inputs, do_sample=temperature > 0, temperature=temperature, top_k=0, top_p=1.0,
+                                 max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+                                 suppress_tokens=banned_token_ids, use_cache=True)
+            new = out[:, inputs["input_ids"].shape[1]:]
+            replies = processor.batch_decode(new, skip_special_tokens=True)
+            for i, reply in zip(active, replies):
+                obs = games[i].step(reply)
+                conversations[i]["messages"].append({"role": "assistant", "content": reply})
+                if not games[i].done:
+                    conversations[i]["messages"].append(rollout.ChatFormat.user_turn(obs.text))
+                    conversations[i]["images"].append(obs.image)
+            turns += len(active)
+            tokens += new.numel()
+    return {"turns": turns, "tokens": tokens}
+
+
+def random_adapter(model_path: str, rank: int, out_dir: Path):
+    """The HF policy with a PEFT LoRA (as train.py builds it) and the same adapter on disk for vLLM.
+
+    LoRA B is drawn at random too (PEFT starts it at zero), so the adapter really changes the model.
+    """
+    from peft import LoraConfig, get_peft_model
+    from transformers import Qwen3VLForConditionalGeneration
+
+    model = Qwen3VLForConditionalGeneration.from_pretrained(model_path, dtype=torch.float32)
+    torch.manual_seed(0)
+    model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=rollout.LORA_TARGET_REGEX))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.02)
+    model.save_pretrained(str(out_dir))
+    return model.eval()
+
+
+def bench_rollout(args) -> dict:
+    """Section 1: the vLLM rollout against the plain transformers loop, same episodes."""
+    from transformers import AutoProcessor, GenerationConfig
+    from vllm.lora.request import LoRARequest
+
+    model_path = tiny_model()
+    p = dict(mazes=2 if args.quick else 8, samples=4 if args.quick else 8, repeats=2 if args.quick else 3,
+             turn_limits=[8, 15], max_new_tokens=32, temperature=1.0, lora_rank=8, difficulty="small",
+             cell_px=env.CELL_PX_TINY, max_model_len=4096, threads=torch.get_num_threads())
+    if args.rollout_repeats:
+        p["repeats"] = args.rollout_repeats
+    log(f"rollout: {p['mazes']} mazes x {p['samples']} samples, turns {p['turn_limits']}, "
+        f"{p['max_new_tokens']} tokens per reply, {p['repeats']} repeats, {p['threads']} torch threads")
+    out = {"params": p, "load_start": load()}
+
+    processor = AutoProcessor.from_pretrained(model_path)
+    eos = GenerationConfig.from_pretrained(model_path).eos_token_id
+    chat = rollout.ChatFormat(processor, eos)
+    size = env.DIFFICULTY_SIZES[p["difficulty"]]
+    mazes = [env.generate_maze(size, 2_000_000 + i) for i in range(p["mazes"])]  # fixed seeds, never training's
+
+    tmp = Path(tempfile.mkdtemp(prefix="bench-adapter-"))
+    hf_model = random_adapter(model_path, p["lora_rank"], tmp)
+    lora = LoRARequest("bench", 1, str(tmp))
+
+    t = time.time()
+    engine = rollout.build_engine(model_path, max_model_len=p["max_model_len"], max_lora_rank=p["lora_rank"],
+                                  seed=0, max_images=max(p["turn_limits"]) + 1)
+    out["engine_build_s"] = time.time() - t
+
+    def play_vllm(n_mazes, samples, turns, seed=0):
+        t = time.time()
+        episodes = rollout.play_episodes(
+            engine, chat, mazes[:n_mazes], list(range(n_mazes)), samples_per_maze=samples, max_turns=turns,
+            max_new_tokens=p["max_new_tokens"], min_new_tokens=p["max_new_tokens"], max_model_len=p["max_model_len"],
+            temperature=p["temperature"], seed=seed, lora_request=lora, cell_px=p["cell_px"], progress=False)
+        return {"s": time.time() - t, "turns": sum(e.num_turns for e in episodes),
+                "tokens": sum(e.num_generated_tokens for e in episodes)}
+
+    def play_hf(n_mazes, samples, turns, seed=0):
+        t = time.time()
+        r = hf_play_episodes(hf_model, processor, mazes[:n_mazes], samples_per_maze=samples, max_turns=turns,
+                             max_new_tokens=p["max_new_tokens"], temperature=p["temperature"],
+                             banned_token_ids=chat.banned_token_ids, cell_px=p["cell_px"], seed=seed)
+        return {"s": time.time() - t, **r}
+
+    # Warm-up, timed apart: the first calls compile kernels and settle shapes. Two batch sizes,
+    # because a second shape makes torch.compile recompile for dynamic shapes once.
+    t = time.time()
+    play_vllm(1, 2, 2)
+    out["engine_first_play_s"] = time.time() - t
+    t = time.time()
+    play_vllm(1, 3, 2)
+    play_hf(1, 2, 2)
+    out["warmup_rest_s"] = time.time() - t
+
+    for turns in p["turn_limits"]:
+        runs = {"vllm": [], "hf": []}
+        for r in range(p["repeats"]):
+            # alternate the order, so a load change in the middle hits both sides alike
+            order = ("vllm", "hf") if r % 2 == 0 else ("hf", "vllm")
+            for side in order:
+                play = play_vllm if side == "vllm" else play_hf
+                res = play(p["mazes"], p["samples"], turns, seed=r)
+                res["load1"] = load()[0]
+                runs[side].append(res)
+                log(f"  {turns} turns, repeat {r + 1}: {side:4s} {res['s']:7.1f} s, {res['turns']} env steps, "
+                    f"{res['tokens']} tokens, load {res['load1']}")
+        row = {"runs": runs}
+        for side in ("vllm", "hf"):
+            row[side] = {"steps_per_s": summary([x["turns"] / x["s"] for x in runs[side]]),
+                         "tokens_per_s": summary([x["tokens"] / x["s"] for x in runs[side]]),
+                         "seconds": summary([x["s"] for x in runs[side]])}
+        # the ratio of each repeat pair (measured back to back), then its median
+        row["speedup_steps"] = summary([(v["turns"] / v["s"]) / (h["turns"] / h["s"])
+                                        for v, h in zip(runs["vllm"], runs["hf"])])
+        row["speedup_tokens"] = summary([(v["tokens"] / v["s"]) / (h["tokens"] / h["s"])
+                                         for v, h in zip(runs["vllm"], runs["hf"])])
+        out[f"turns_{turns}"] = row
+
+    if args.profile:
+        out["profile"] = profile_rollout(lambda: play_vllm(p["mazes"], p["samples"], max(p["turn_limits"]), seed=99))
+    out["load_end"] = load()
+    del engine
+    return out
+
+
+# Where a vLLM rollout's time goes: cProfile's cumulative time of these functions. Nested ones
+# are subtracted from their parents so the parts add up (`other` is the rest of play_episodes).
+PROFILE_PARTS = [
+    ("engine: model forward", "gpu_model_runner.py", "_model_forward"),
+    ("engine: sampling + logprobs", "gpu_model_runner.py", "sample_tokens"),
+    ("engine: scheduler", "scheduler.py", "schedule"),
+    ("engine: step other (inputs, LoRA, bookkeeping)", "core.py", "step"),
+    ("vLLM: inputs (template-free prompt, multimodal processing, hashing)", "offline.py", "_run_completion"),
+    ("vLLM: detokenise + outputs", "output_processor.py", "process_outputs"),
+    ("ours: env step + render", "env.py", "step"),
+    ("ours: chat template (next_turn)", "rollout.py", "next_turn"),
+    ("ours: expand (token checks, context limit)", "rollout.py", "expand"),
+    ("ours: next_prompt", "rollout.py", "next_prompt"),
+]
+
+
+def profile_rollout(play) -> dict:
+    profiler = cProfile.Profile()
+    profiler.enable()
+    result = play()
+    profiler.disable()
+    stats = pstats.Stats(profiler).stats  # (file, line, name) -> (cc, nc, tottime, cumtime, callers)
+
+    def cum(file_suffix, name):
+        return sum(v[3] for (f, _, n), v in stats.items() if f.endswith(file_suffix) and n == name)
+
+    raw = {label: cum(f, n) for label, f, n in PROFILE_PARTS}
+    parts = dict(raw)
+    engine_step = raw["engine: step other (inputs, LoRA, bookkeeping)"]
+    parts["engine: step other (inputs, LoRA, bookkeeping)"] = engine_step - raw["engine: model forward"] - \
+        raw["engine: sampling + logprobs"] - raw["engine: scheduler"]
+    run_engine = cum("offline.py", "_run_engine")
+    parts["vLLM: inputs (template-free prompt, multimodal processing, hashing)"] = \
+        raw["vLLM: inputs (template-free prompt, multimodal processing, hashing)"] - run_engine
+    parts["vLLM: detokenise + outputs"] = raw["vLLM: detokenise + outputs"]
+    llm_step_other = cum("llm_engine.py", "step") - engine_step - raw["vLLM: detokenise + outputs"]
+    parts["vLLM: engine loop other"] = llm_step_other + (run_engine - cum("llm_engine.py", "step"))
+    total = cum("rollout.py", "play_episodes")
+    parts["ours: other (play_episodes itself)"] = total - sum(v for k, v in parts.items())
+    log(f"  profile: {result['s']:.1f} s under cProfile (slower than unprofiled)")
+    return {"profiled_s": total, "parts_s": {k: round(v, 3) for k, v in parts.items()},
+            "parts_share": {k: round(v / total, 4) for k, v in parts.items()}}
+
+
+# ----------------------------------------------------------------------------- 2. training step
+
+PHASES = ["rollout_s", "logprobs_s", "update_s", "sync_s", "eval_s", "checkpoint_s", "step_s"]
+
+
+def train_args(quick: bool) -> list:
+    """Tiny settings for a few real steps; eval, checkpoint and export every 2 steps."""
+    if quick:
+        size = ["--prompts-per-step", "2", "--group-size", "4", "--max-turns", "4", "--max-new-tokens", "8",
+                "--steps", "3", "--eval-mazes", "2"]
+    else:
+        size = ["--prompts-per-step", "4", "--group-size", "8", "--max-turns", "8", "--max-new-tokens", "32",
+                "--steps", "5", "--eval-mazes", "8"]
+    return size + ["--eval-interval", "2", "--ckpt-interval", "2", "--export-interval", "2", "--progress", "false",
+                   "--resume", "none"]
+
+
+def run_train(nproc: int, args, out_dir: Path) -> dict:
+    """One `train.py` run (a world of one, or torchrun); its metrics.jsonl, summarised."""
+    if nproc == 1:
+        cmd = [sys.executable, "train.py"]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), "train.py"]
+    cmd += ["--out-dir", str(out_dir), *train_args(args.quick)]
+    environ = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
+    log(f"train: {nproc} process(es): {' '.join(cmd[1:])}")
+    t = time.time()
+    proc = subprocess.run(cmd, cwd=ROOT, env=environ, capture_output=True, text=True, timeout=args.timeout)
+    wall = time.time() - t
+    if proc.returncode != 0:
+        log(f"  train.py failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+        return {"nproc": nproc, "failed": proc.returncode, "stderr_tail": proc.stderr[-2000:]}
+    rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    later = rows[1:]  # the first step pays for warm-up (compilation, first shapes)
+    episodes = int(train_args(args.quick)[1]) * int(train_args(args.quick)[3])
+    res = {"nproc": nproc, "wall_s": wall, "steps": len(rows), "episodes_per_step": episodes,
+           "first_step": {k: rows[0][k] for k in PHASES}}
+    for k in PHASES:
+        res[k] = summary([r[k] for r in later])
+    for k in ("eval_s", "checkpoint_s"):  # they run every 2 steps: their cost when they run
+        res[k + "_when_run"] = summary([r[k] for r in later if r[k] > 1e-3])
+    # the step without eval and checkpoint, which run every 10 and 20 steps in the recipe
+    core = [r["rollout_s"] + r["logprobs_s"] + r["update_s"] + r["sync_s"] for r in later]
+    res["core_step_s"] = summary(core)
+    res["episodes_per_s"] = summary([episodes / c for c in core])
+    res["sync_bytes"] = rows[-1]["sync_bytes"]
+    res["sync_share_of_core_step"] = summary([r["sync_s"] / c for r, c in zip(later, core)])
+    res["sync_share_of_step"] = summary([r["sync_s"] / r["step_s"] for r in later])
+    log(f"  {nproc} process(es): core step {fmt(res['core_step_s'])} s, {fmt(res['episodes_per_s'])} episodes/s, "
+        f"wall {wall:.0f} s")
+    return res
+
+
+def bench_train(args) -> dict:
+    """Section 2 (and the measured half of 3): real steps with 1 and 2 processes."""
+    out = {"args": train_args(args.quick), "threads_per_process": args.threads, "load_start": load()}
+    with tempfile.TemporaryDirectory(prefix="bench-train-") as tmp:
+        for nproc in (1, 2):
+            out[f"nproc_{nproc}"] = run_train(nproc, args, Path(tmp) / f"n{nproc}")
+    one, two = out["nproc_1"], out["nproc_2"]
+    if "failed" not in one and "failed" not in two:
+        out["scaling_2_vs_1"] = two["episodes_per_s"]["median"] / one["episodes_per_s"]["median"]
+    out["load_end"] = load()
+    return out
+
+
+# ----------------------------------------------------------------------------- 3. LoRA sync at 8B
+
+def bench_sync_8b(args) -> dict:
+    """Write and load a random rank-32 LoRA with Qwen3-VL-8B's shape, as the sync path does.
+
+    Write: safetensors save + fsync (train.write_adapter also fsyncs). Load: safetensors load
+    (what PEFT reads), and vLLM's own adapter parsing (`LoRAModel.from_local_checkpoint`, the call
+    its worker makes on every new adapter, on the CPU, before copying it into the device slot).
+    The file was just written, so reads come from the page cache: a shared network filesystem
+    between nodes is slower.
+    """
+    from peft import LoraConfig
+    from safetensors.torch import load_file, save_file
+
+    rank = 32
+    tensor_shapes = shapes.lora_tensor_shapes(shapes.QWEN3_VL_8B_TEXT, rank)
+    params = shapes.lora_parameter_count(shapes.QWEN3_VL_8B_TEXT, rank)
+    assert params == sum(a * b for a, b in tensor_shapes.values())
+    out = {"rank": rank, "targets": list(shapes.LORA_TARGETS), "text_config": shapes.QWEN3_VL_8B_TEXT,
+           "parameters": params, "load_start": load()}
+    repeats = 1 if args.quick else 3
+    torch.manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        name = str(dtype).split(".")[1]
+        state = {k: (torch.randn(s) * 0.01).to(dtype) for k, s in tensor_shapes.items()}
+        nbytes = sum(v.numel() * v.element_size() for v in state.values())
+        writes, reads, vllm_loads = [], [], []
+        for _ in range(repeats):
+            with tempfile.TemporaryDirectory(prefix="bench-lora8b-") as tmp:
+                path = Path(tmp) / "adapter"
+                path.mkdir()
+                t = time.time()
+                LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=rollout.LORA_TARGET_REGEX).save_pretrained(str(path))
+                save_file(state, str(path / "adapter_model.safetensors"))
+                fd = os.open(path / "adapter_model.safetensors", os.O_RDONLY)
+                os.fsync(fd)
+                os.close(fd)
+                writes.append(time.time() - t)
+                t = time.time()
+                loaded = load_file(str(path / "adapter_model.safetensors"))
+                loaded = {k: v.clone() for k, v in loaded.items()}  # really read it, not just map it
+                reads.append(time.time() - t)
+                assert len(loaded) == len(state)
+                del loaded
+                vllm_loads.append(vllm_parse_adapter(path))
+        out[name] = {"bytes": nbytes, "write_s": summary(writes), "safetensors_load_s": summary(reads),
+                     "vllm_parse_s": summary(vllm_loads)}
+        log(f"  8B rank-32 LoRA, {name}: {nbytes / 1e6:.0f} MB, write {fmt(out[name]['write_s'])} s, "
+            f"load {fmt(out[name]['safetensors_load_s'])} s, vLLM parse {fmt(out[name]['vllm_parse_s'])} s")
+        del state
+    out["load_end"] = load()
+    return out
+
+
+def vllm_parse_adapter(path: Path) -> float | None:
+    """Seconds for vLLM to read and parse a PEFT adapter dir into its LoRAModel (bf16, CPU)."""
+    try:
+        from vllm.lora.lora_model import LoRAModel
+        from vllm.lora.peft_helper import PEFTHelper
+        from vllm.model_executor.models.qwen3_vl import Qwen3VLForConditionalGeneration as VllmQwen3VL
+    except ImportError as e:
+        log(f"  vLLM adapter parse skipped: {e}")
+        return None
+    t = time.time()
+    helper = PEFTHelper.from_local_dir(str(path), max_position_embeddings=None)
+    LoRAModel.from_local_checkpoint(str(path), set(shapes.LORA_TARGETS), helper, lora_model_id=1, device="cpu",
+                                    dtype=torch.bfloat16, model_vocab_size=shapes.QWEN3_VL_8B_TEXT["vocab_size"],
+                                    weights_mapper=VllmQwen3VL.hf_to_vllm_mapper)
+    return time.time() - t
+
+
+# ----------------------------------------------------------------------------- 4. engine cold start
+
+# What each setting changes: `enforce_eager` skips vLLM's graph capture and compilation; no_torch_compile
+# (TORCHDYNAMO_DISABLE=1) stops the small torch.compile'd ops in vLLM's sampler from compiling on
+# the first request; bytecode_cache lets Python keep compiled .pyc files (in a private folder, via
+# PYTHONPYCACHEPREFIX) where the environment has PYTHONDONTWRITEBYTECODE=1 and the packages ship none.
+COLDSTART_CONFIGS = {
+    "default": {"engine": {}, "env": {}},
+    "enforce_eager": {"engine": {"enforce_eager": True}, "env": {}},
+    "no_torch_compile": {"engine": {}, "env": {"TORCHDYNAMO_DISABLE": "1"}},
+    "bytecode_cache": {"engine": {}, "env": {"PYTHONDONTWRITEBYTECODE": ""}, "pycache": True},
+    "bytecode_cache+no_torch_compile": {"engine": {}, "env": {"PYTHONDONTWRITEBYTECODE": "", "TORCHDYNAMO_DISABLE": "1"},
+                                        "pycache": True},
+}
+
+
+def coldstart_child(engine_kwargs: dict):
+    """In a fresh process: import, build the engine, the first and second small rollouts."""
+    t0 = time.time()
+    from transformers import AutoProcessor, GenerationConfig
+    from vllm import LLM  # noqa: F401  (timed as part of the import)
+
+    model_path = tiny_model()
+    t_import = time.time() - t0
+    t = time.time()
+    engine = rollout.build_engine(model_path, max_model_len=4096, max_lora_rank=8, seed=0, **engine_kwargs)
+    t_build = time.time() - t
+    processor = AutoProcessor.from_pretrained(model_path)
+    chat = rollout.ChatFormat(processor, GenerationConfig.from_pretrained(model_path).eos_token_id)
+    mazes = [env.generate_maze(7, 2_000_000 + i) for i in range(2)]
+    times = []
+    for _ in range(2):
+        t = time.time()
+        rollout.play_episodes(engine, chat, mazes, [0, 1], samples_per_maze=2, max_turns=3, max_new_tokens=16,
+                              max_model_len=4096, temperature=1.0, seed=0, progress=False)
+        times.append(time.time() - t)
+    print("BENCH_RESULT " + json.dumps({"import_s": t_import, "build_s": t_build, "first_play_s": times[0],
+                                        "second_play_s": times[1]}), flush=True)
+
+
+def bench_coldstart(args) -> dict:
+    names = ["default", "enforce_eager"] if args.quick else list(COLDSTART_CONFIGS)
+    repeats = 1 if args.quick else 2
+    out = {"play": "2 mazes x 2 samples, 3 turns, 16 tokens", "load_start": load()}
+    pycache = Path(tempfile.mkdtemp(prefix="bench-pycache-"))
+    for name in names:
+        cfg = COLDSTART_CONFIGS[name]
+        environ = dict(os.environ, OMP_NUM_THREADS=str(args.threads), **cfg["env"])
+        if cfg.get("pycache"):
+            environ["PYTHONPYCACHEPREFIX"] = str(pycache)
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--coldstart-child", json.dumps(cfg["engine"])]
+        if cfg.get("pycache"):  # one run to fill the bytecode cache, not counted
+            subprocess.run(cmd, cwd=ROOT, env=environ, capture_output=True, text=True, timeout=args.timeout)
+        runs = []
+        for _ in range(repeats):
+            t = time.time()
+            proc = subprocess.run(cmd, cwd=ROOT, env=environ, capture_output=True, text=True, timeout=args.timeout)
+            wall = time.time() - t
+            line = [l for l in proc.stdout.splitlines() if l.startswith("BENCH_RESULT ")]
+            if proc.returncode != 0 or not line:
+                log(f"  coldstart {name} failed:\n{proc.stderr[-2000:]}")
+                continue
+            runs.append({**json.loads(line[-1][len("BENCH_RESULT "):]), "process_s": wall})
+        out[name] = {k: summary([r[k] for r in runs]) for k in
+                     ("import_s", "build_s", "first_play_s", "second_play_s", "process_s")} if runs else {"failed": True}
+        out[name]["settings"] = cfg
+        if runs:
+            log(f"  coldstart {name}: build {fmt(out[name]['build_s'])} s, first play {fmt(out[name]['first_play_s'])} s, "
+                f"whole process {fmt(out[name]['process_s'])} s")
+    out["load_end"] = load()
+    return out
+
+
+# ----------------------------------------------------------------------------- the report
+
+def machine() -> dict:
+    import transformers
+    import vllm
+
+    cpu = "unknown"
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    return {"host": platform.node(), "cpu": cpu, "cores": os.cpu_count(), "gpu": torch.cuda.is_available(),
+            "python": platform.python_version(), "torch": torch.__version__, "vllm": vllm.__version__,
+            "transformers": transformers.__version__}
+
+
+def table(results: dict) -> str:
+    """The results as markdown: medians, with (min-max) where there were several repeats."""
+    m = results["meta"]
+    lines = [f"## Benchmark {m['date']} ({m['mode']})", "",
+             f"`{m['command']}` on {m['machine']['cpu']}, {m['machine']['cores']} cores, "
+             f"{'a GPU' if m['machine']['gpu'] else 'no GPU'}; torch {m['machine']['torch']}, "
+             f"vllm {m['machine']['vllm']}; {m['threads']} torch thread(s) per process; "
+             f"load average at start {m['load_start']}, at end {m['load_end']}. "
+             "Medians, (min-max) over repeats.", ""]
+    if r := results.get("rollout"):
+        p = r["params"]
+        lines += [f"### Rollout: vLLM engine vs transformers `generate` ({p['mazes']} mazes x {p['samples']} samples, "
+                  f"{p['max_new_tokens']} tokens per reply, LoRA rank {p['lora_rank']}, {p['repeats']} repeats)", "",
+                  "| turns | vLLM env steps/s | HF env steps/s | vLLM tokens/s | HF tokens/s | speedup (median of pairs) |",
+                  "| --- | --- | --- | --- | --- | --- |"]
+        for turns in p["turn_limits"]:
+            row = r[f"turns_{turns}"]
+            lines.append(f"| {turns} | {fmt(row['vllm']['steps_per_s'])} | {fmt(row['hf']['steps_per_s'])} | "
+                         f"{fmt(row['vllm']['tokens_per_s'])} | {fmt(row['hf']['tokens_per_s'])} | "
+                         f"**{fmt(row['speedup_steps'])}x** |")
+        lines += ["", f"Engine build {r['engine_build_s']:.1f} s and warm-up {r['engine_first_play_s']:.1f} s "
+                  f"(first play) + {r['warmup_rest_s']:.1f} s, not in the figures above.", ""]
+        if prof := r.get("profile"):
+            lines += [f"Where the vLLM rollout's time goes (cProfile, {prof['profiled_s']:.1f} s profiled, "
+                      f"{max(p['turn_limits'])} turns):", "", "| part | share |", "| --- | --- |"]
+            for part, share in sorted(prof["parts_share"].items(), key=lambda kv: -kv[1]):
+                lines.append(f"| {part} | {100 * share:.1f}% |")
+            lines.append("")
+    if t := results.get("train"):
+        lines += ["### Training step, phase by phase (seconds; steps after the first)", "",
+                  f"`train.py {' '.join(t['args'])}`, {t['threads_per_process']} thread(s) per process.", "",
+                  "| processes | rollout | logprobs | update | sync | eval (when run) | checkpoint (when run) | "
+                  "step w/o eval+ckpt | episodes/s |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for n in (1, 2):
+            x = t[f"nproc_{n}"]
+            if "failed" in x:
+                lines.append(f"| {n} | failed ({x['failed']}) | | | | | | | |")
+                continue
+            lines.append(f"| {n} | {fmt(x['rollout_s'])} | {fmt(x['logprobs_s'])} | {fmt(x['update_s'])} | "
+                         f"{fmt(x['sync_s'])} | {fmt(x['eval_s_when_run'])} | {fmt(x['checkpoint_s_when_run'])} | "
+                         f"{fmt(x['core_step_s'])} | {fmt(x['episodes_per_s'])} |")
+        if "scaling_2_vs_1" in t:
+            lines += ["", f"Scaling, episodes/s with 2 processes over 1: **{t['scaling_2_vs_1']:.2f}x**."]
+        lines.append("")
+    if t := results.get("train"):
+        lines += ["### LoRA sync", "", "| what | bytes | seconds | share of step (w/o eval+ckpt) |",
+                  "| --- | --- | --- | --- |"]
+        for n in (1, 2):
+            x = t[f"nproc_{n}"]
+            if "failed" not in x:
+                lines.append(f"| tiny model, rank 8, {n} process(es) | {x['sync_bytes']:.0f} | {fmt(x['sync_s'])} | "
+                             f"{100 * x['sync_share_of_core_step']['median']:.2f}% |")
+    if s := results.get("sync_8b"):
+        if not results.get("train"):
+            lines += ["### LoRA sync", "", "| what | bytes | seconds | |", "| --- | --- | --- | --- |"]
+        for dtype in ("float32", "bfloat16"):
+            x = s[dtype]
+            lines.append(f"| Qwen3-VL-8B shape, rank {s['rank']} ({s['parameters'] / 1e6:.1f} M params), {dtype}: "
+                         f"write + fsync / safetensors load / vLLM parse | {x['bytes']} | {fmt(x['write_s'])} / "
+                         f"{fmt(x['safetensors_load_s'])} / {fmt(x['vllm_parse_s'])} | |")
+    if results.get("train") or results.get("sync_8b"):
+        lines.append("")
+    if c := results.get("coldstart"):
+        lines += [f"### Engine cold start (fresh process each; play: {c['play']})", "",
+                  "| setting | imports | engine build | first play | second play | whole process |",
+                  "| --- | --- | --- | --- | --- | --- |"]
+        for name in COLDSTART_CONFIGS:
+            if name in c and "failed" not in c[name]:
+                x = c[name]
+                lines.append(f"| {name} | {fmt(x['import_s'])} | {fmt(x['build_s'])} | {fmt(x['first_play_s'])} | "
+                             f"{fmt(x['second_play_s'])} | {fmt(x['process_s'])} |")
+        lines.append("")
+    lines.append("GPU training efficiency (tokens/s, MFU, memory): `bench/gpu_mfu.py`, not part of this run.")
+    return "\n".join(lines)
+
+
+SECTIONS = {"coldstart": bench_coldstart, "train": bench_train, "sync": bench_sync_8b, "rollout": bench_rollout}
+RESULT_KEYS = {"coldstart": "coldstart", "train": "train", "sync": "sync_8b", "rollout": "rollout"}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="small sizes, fewer repeats (a few minutes)")
+    parser.add_argument("--only", default="", help=f"comma-separated sections of {list(SECTIONS)}; default all")
+    parser.add_argument("--profile", action="store_true", help="profile a vLLM rollout (on by default unless --quick)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads per process, the same for both rollout loops and every child (default 1: "
+                             "on a shared machine more threads than free cores made runs up to 30x slower)")
+    parser.add_argument("--rollout-repeats", type=int, default=0, help="override the number of rollout repeats")
+    parser.add_argument("--timeout", type=int, default=1800, help="seconds allowed per child process")
+    parser.add_argument("--out", default="", help="JSON path; default bench/results/<date>-<mode>.json")
+    parser.add_argument("--coldstart-child", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)  # before any engine exists: vLLM's CPU worker then forbids changes
+    if args.coldstart_child is not None:
+        return coldstart_child(json.loads(args.coldstart_child))
+    args.profile = args.profile or not args.quick
+
+    sections = [s for s in (args.only.split(",") if args.only else SECTIONS) if s]
+    unknown = set(sections) - set(SECTIONS)
+    if unknown:
+        raise SystemExit(f"unknown sections {sorted(unknown)}; choose from {list(SECTIONS)}")
+    mode = "quick" if args.quick else "full"
+    date = datetime.datetime.now().strftime("%Y-%m-%d-%H%M")
+    results = {"meta": {"date": date, "mode": mode, "command": " ".join([Path(sys.executable).name, *sys.argv]),
+                        "machine": machine(), "threads": args.threads, "load_start": load()}}
+    t0 = time.time()
+    # Children first: the in-process engine of the rollout section comes last, alone.
+    for name in [s for s in SECTIONS if s in sections]:
+        log(f"section {name} (load {load()})")
+        t = time.time()
+        results[RESULT_KEYS[name]] = SECTIONS[name](args)
+        results[RESULT_KEYS[name]]["section_s"] = round(time.time() - t, 1)
+    results["meta"]["load_end"] = load()
+    results["meta"]["total_s"] = round(time.time() - t0, 1)
+
+    out = Path(args.out) if args.out else RESULTS / f"{date}-{mode}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=1, default=float))
+    print("\n" + table(results) + "\n")
+    log(f"wrote {out} ({results['meta']['total_s']:.0f} s in all)")
+
+
+if __name__ == "__main__":
+    main()
