@@ -7,6 +7,7 @@ import env
 import grpo
 import rollout
 import train
+from conftest import masked_segments
 
 
 def _chat(tiny_model):
@@ -32,15 +33,7 @@ def test_sequences_line_up_with_the_processor(engine, tiny_model):
         n = len(seq.token_ids)
         assert len(seq.response_mask) == n and len(seq.rollout_logprobs) == n
         # the masked-in segments are exactly the replies, in order
-        segments, current = [], []
-        for token, m in zip(seq.token_ids, seq.response_mask):
-            if m:
-                current.append(token)
-            elif current:
-                segments.append(current)
-                current = []
-        if current:
-            segments.append(current)
+        segments = masked_segments(seq)
         assert sum(len(s) for s in segments) == e.num_generated_tokens > 0
         for segment, reply in zip(segments, e.replies, strict=True):
             # vLLM's text drops a trailing incomplete UTF-8 byte sequence; the tokens keep it

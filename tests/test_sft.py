@@ -10,6 +10,7 @@ from transformers import AutoProcessor, GenerationConfig
 import env
 import rollout
 import sft
+from conftest import masked_segments
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -22,17 +23,6 @@ def _setup(tiny_model):
     return processor, chat, replies
 
 
-def _masked_segments(seq):
-    segments, current = [], []
-    for token, m in zip(seq.token_ids, seq.response_mask):
-        if m:
-            current.append(token)
-        elif current:
-            segments.append(current)
-            current = []
-    return segments + ([current] if current else [])
-
-
 def test_demonstrations_train_only_on_replies(tiny_model):
     processor, chat, replies = _setup(tiny_model)
     maze = env.generate_maze(7, seed=1_000_123)
@@ -41,7 +31,7 @@ def test_demonstrations_train_only_on_replies(tiny_model):
                              cell_px=32, noise=0.0)
     assert len(seqs) == len(plan)  # one sequence per turn with the last-image policy
     for seq, action in zip(seqs, plan):
-        assert _masked_segments(seq) == [replies[action]]  # exactly the reply, nothing else
+        assert masked_segments(seq) == [replies[action]]  # exactly the reply, nothing else
         assert processor.tokenizer.decode(replies[action], skip_special_tokens=True) == f"<answer>{action}</answer>"
         assert len(seq.images) == 1
         assert seq.token_ids.count(processor.image_token_id) == chat.image_tokens(seq.images[0])
@@ -49,7 +39,7 @@ def test_demonstrations_train_only_on_replies(tiny_model):
     full = sft.demonstration(maze, chat, replies, random.Random(0), max_turns=30, max_images=None,
                              cell_px=32, noise=0.0)
     assert len(full) == 1 and len(full[0].images) == len(plan)  # full history: one sequence
-    assert _masked_segments(full[0]) == [replies[a] for a in plan]
+    assert masked_segments(full[0]) == [replies[a] for a in plan]
 
 
 def test_noisy_turns_are_context_not_targets(tiny_model):
@@ -59,7 +49,7 @@ def test_noisy_turns_are_context_not_targets(tiny_model):
                              cell_px=32, noise=0.5)
     # every trained reply is the BFS move from the state its image shows
     for seq in seqs:
-        (target,) = _masked_segments(seq)
+        (target,) = masked_segments(seq)
         action = next(a for a, ids in replies.items() if ids == target)
         agent = next((r, c) for r in range(maze.size) for c in range(maze.size)
                      if env.render(maze, (r, c)).tobytes() == seq.images[0].tobytes())
