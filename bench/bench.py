@@ -1,26 +1,35 @@
 """Benchmarks: how fast the pieces are and where the time goes. Apart from the tests; nothing
 here gates CI on timing.
 
-    .venv/bin/python bench/bench.py --quick      # a few minutes on 2 CPU cores
-    .venv/bin/python bench/bench.py              # the full set (about 25 minutes on 2 CPU cores)
+    .venv/bin/python bench/bench.py --quick      # about 3 minutes on 2 idle CPU cores
+    .venv/bin/python bench/bench.py              # the full set, about 15 minutes
     .venv/bin/python bench/bench.py --only rollout --profile
 
-Sections (`--only` picks some):
+Sections (`--only` picks some, comma-separated):
 
-  coldstart  engine start and first `generate`, each in a fresh process, per engine setting
-  train      a real training step, phase by phase, for 1 and 2 processes (`train.py`, `torchrun`)
-  sync       LoRA sync: bytes, seconds and share of the step from those runs; write + load of a
-             rank-32 adapter with the shape of Qwen3-VL-8B
-  rollout    `rollout.play_episodes` (vLLM, token-in/token-out) against a plain transformers
-             `generate` loop on the same episodes, at 8 and 15 turns; `--profile` adds where the
-             vLLM rollout's time goes
+  coldstart  engine start and first rollout, each in a fresh process, per setting
+  train      real training steps, phase by phase, with 1 and 2 processes (`train.py`, `torchrun`),
+             and the scaling of episodes/s from 1 to 2
+  sync       LoRA sync: bytes, seconds and share of the step come from the train runs; here, write
+             and load of a random rank-32 adapter with the shape of Qwen3-VL-8B
+  rollout    `rollout.play_episodes` (in-process vLLM, token-in/token-out, prefix caching) against
+             a plain transformers `generate` loop playing the same episodes, at 8 and 15 turns;
+             `--profile` (on in the full set) adds where the vLLM rollout's time goes
 
 GPU training efficiency (tokens/s, MFU, memory) is `bench/gpu_mfu.py`, for machines with a GPU.
 
-Every timing is repeated; the table gives the median and the spread (min-max). Machines are often
-shared, so the load average (`os.getloadavg()`) is recorded beside every section: compare runs
-only at similar load. The table is printed at the end, and everything is written as JSON to
-`bench/results/<date>-<mode>.json` (small: figures only).
+The rollout comparison is like for like: the same maze seeds, group size, turn limit, full image
+history, temperature 1 without top-k/top-p, vision tokens banned, the same random LoRA on both
+sides, and every reply exactly 32 tokens long (vLLM `min_tokens` and transformers
+`min_new_tokens` both equal to the maximum), so both generate the same tokens and take the same
+env steps; the JSON records that they did (`same_work`). Engine start and warm-up are timed apart.
+Both run in one process with the same number of torch threads (`--threads`, default 1: on a
+shared machine, threads beyond the free cores made runs up to 30x slower and bimodal).
+
+Every timing is repeated; tables give the median and the spread (min-max). Machines are often
+shared, so the load average (`os.getloadavg()`) is recorded beside every section and every
+rollout run: compare runs only at similar load. The table is printed at the end, and everything
+is written as JSON to `bench/results/<date>-<mode>.json` (figures only, a few kB).
 """
 
 import argparse
@@ -31,6 +40,7 @@ import json
 import os
 import platform
 import pstats
+import shutil
 import statistics
 import subprocess
 import sys
@@ -216,7 +226,8 @@ def bench_rollout(args) -> dict:
                 runs[side].append(res)
                 log(f"  {turns} turns, repeat {r + 1}: {side:4s} {res['s']:7.1f} s, {res['turns']} env steps, "
                     f"{res['tokens']} tokens, load {res['load1']}")
-        row = {"runs": runs}
+        row = {"runs": runs, "same_work": all(v["turns"] == h["turns"] and v["tokens"] == h["tokens"]
+                                              for v, h in zip(runs["vllm"], runs["hf"]))}
         for side in ("vllm", "hf"):
             row[side] = {"steps_per_s": summary([x["turns"] / x["s"] for x in runs[side]]),
                          "tokens_per_s": summary([x["tokens"] / x["s"] for x in runs[side]]),
@@ -232,23 +243,32 @@ def bench_rollout(args) -> dict:
         out["profile"] = profile_rollout(lambda: play_vllm(p["mazes"], p["samples"], max(p["turn_limits"]), seed=99))
     out["load_end"] = load()
     del engine
+    shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 
-# Where a vLLM rollout's time goes: cProfile's cumulative time of these functions. Nested ones
-# are subtracted from their parents so the parts add up (`other` is the rest of play_episodes).
-PROFILE_PARTS = [
-    ("engine: model forward", "gpu_model_runner.py", "_model_forward"),
-    ("engine: sampling + logprobs", "gpu_model_runner.py", "sample_tokens"),
-    ("engine: scheduler", "scheduler.py", "schedule"),
-    ("engine: step other (inputs, LoRA, bookkeeping)", "core.py", "step"),
-    ("vLLM: inputs (template-free prompt, multimodal processing, hashing)", "offline.py", "_run_completion"),
-    ("vLLM: detokenise + outputs", "output_processor.py", "process_outputs"),
-    ("ours: env step + render", "env.py", "step"),
-    ("ours: chat template (next_turn)", "rollout.py", "next_turn"),
-    ("ours: expand (token checks, context limit)", "rollout.py", "expand"),
-    ("ours: next_prompt", "rollout.py", "next_prompt"),
-]
+# Where a vLLM rollout's time goes, from cProfile's cumulative times of these functions
+# (path suffix, function name). Nested ones are subtracted from their parents, so the parts add up
+# to the whole of play_episodes.
+PROFILED = {
+    "play": ("/rollout.py", "play_episodes"),
+    "run_completion": ("entrypoints/common/offline.py", "_run_completion"),
+    "run_engine": ("entrypoints/common/offline.py", "_run_engine"),
+    "core_step": ("v1/engine/core.py", "step"),
+    "forward": ("gpu_model_runner.py", "_model_forward"),
+    "logits": ("model_executor/layers/logits_processor.py", "forward"),
+    "lora_linear": ("punica_cpu.py", "add_lora_linear"),
+    "lora_logits": ("punica_cpu.py", "add_lora_logits"),
+    "sample": ("gpu_model_runner.py", "sample_tokens"),
+    "schedule": ("v1/core/sched/scheduler.py", "schedule"),
+    "outputs": ("v1/engine/output_processor.py", "process_outputs"),
+    "env": ("/env.py", "step"),
+    "template": ("/rollout.py", "next_turn"),
+    "expand": ("/rollout.py", "expand"),
+    "next_prompt": ("/rollout.py", "next_prompt"),
+    "decode": ("/rollout.py", "decode_replies"),
+    "digest": ("/rollout.py", "image_digest"),
+}
 
 
 def profile_rollout(play) -> dict:
@@ -256,24 +276,29 @@ def profile_rollout(play) -> dict:
     profiler.enable()
     result = play()
     profiler.disable()
-    stats = pstats.Stats(profiler).stats  # (file, line, name) -> (cc, nc, tottime, cumtime, callers)
-
-    def cum(file_suffix, name):
-        return sum(v[3] for (f, _, n), v in stats.items() if f.endswith(file_suffix) and n == name)
-
-    raw = {label: cum(f, n) for label, f, n in PROFILE_PARTS}
-    parts = dict(raw)
-    engine_step = raw["engine: step other (inputs, LoRA, bookkeeping)"]
-    parts["engine: step other (inputs, LoRA, bookkeeping)"] = engine_step - raw["engine: model forward"] - \
-        raw["engine: sampling + logprobs"] - raw["engine: scheduler"]
-    run_engine = cum("offline.py", "_run_engine")
-    parts["vLLM: inputs (template-free prompt, multimodal processing, hashing)"] = \
-        raw["vLLM: inputs (template-free prompt, multimodal processing, hashing)"] - run_engine
-    parts["vLLM: detokenise + outputs"] = raw["vLLM: detokenise + outputs"]
-    llm_step_other = cum("llm_engine.py", "step") - engine_step - raw["vLLM: detokenise + outputs"]
-    parts["vLLM: engine loop other"] = llm_step_other + (run_engine - cum("llm_engine.py", "step"))
-    total = cum("rollout.py", "play_episodes")
-    parts["ours: other (play_episodes itself)"] = total - sum(v for k, v in parts.items())
+    stats = pstats.Stats(profiler).stats  # (file, line, name) -> (calls, primitive calls, tottime, cumtime, callers)
+    c = {key: sum(v[3] for (f, _, n), v in stats.items() if f.endswith(suffix) and n == name)
+         for key, (suffix, name) in PROFILED.items()}
+    lora = c["lora_linear"] + c["lora_logits"]
+    parts = {
+        "engine: model forward (base layers, attention)": c["forward"] - c["lora_linear"],
+        "engine: LoRA (vLLM's CPU kernels)": lora,
+        "engine: output head (logits)": c["logits"] - c["lora_logits"],
+        "engine: sampling + logprobs": c["sample"],
+        "engine: scheduler": c["schedule"],
+        "engine: other (batch preparation, bookkeeping)":
+            c["core_step"] - c["forward"] - c["logits"] - c["sample"] - c["schedule"],
+        "vLLM: request intake (multimodal processing, cache lookups)": c["run_completion"] - c["run_engine"],
+        "vLLM: outputs": c["outputs"],
+        "vLLM: engine loop other": c["run_engine"] - c["core_step"] - c["outputs"],
+        "ours: env step + render": c["env"],
+        "ours: chat template (next_turn)": c["template"],
+        "ours: expansion check (expand)": c["expand"],
+        "ours: next_prompt": c["next_prompt"],
+        "ours: decode replies + image digests": c["decode"] + c["digest"],
+    }
+    total = c["play"]
+    parts["ours: other (play_episodes itself)"] = total - sum(parts.values())
     log(f"  profile: {result['s']:.1f} s under cProfile (slower than unprofiled)")
     return {"profiled_s": total, "parts_s": {k: round(v, 3) for k, v in parts.items()},
             "parts_share": {k: round(v / total, 4) for k, v in parts.items()}}
@@ -301,7 +326,8 @@ def run_train(nproc: int, args, out_dir: Path) -> dict:
     if nproc == 1:
         cmd = [sys.executable, "train.py"]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), "train.py"]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+               "train.py"]
     cmd += ["--out-dir", str(out_dir), *train_args(args.quick)]
     environ = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
     log(f"train: {nproc} process(es): {' '.join(cmd[1:])}")
@@ -377,7 +403,8 @@ def bench_sync_8b(args) -> dict:
                 path = Path(tmp) / "adapter"
                 path.mkdir()
                 t = time.time()
-                LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=rollout.LORA_TARGET_REGEX).save_pretrained(str(path))
+                config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=rollout.LORA_TARGET_REGEX)
+                config.save_pretrained(str(path))
                 save_file(state, str(path / "adapter_model.safetensors"))
                 fd = os.open(path / "adapter_model.safetensors", os.O_RDONLY)
                 os.fsync(fd)
@@ -427,8 +454,8 @@ COLDSTART_CONFIGS = {
     "enforce_eager": {"engine": {"enforce_eager": True}, "env": {}},
     "no_torch_compile": {"engine": {}, "env": {"TORCHDYNAMO_DISABLE": "1"}},
     "bytecode_cache": {"engine": {}, "env": {"PYTHONDONTWRITEBYTECODE": ""}, "pycache": True},
-    "bytecode_cache+no_torch_compile": {"engine": {}, "env": {"PYTHONDONTWRITEBYTECODE": "", "TORCHDYNAMO_DISABLE": "1"},
-                                        "pycache": True},
+    "bytecode_cache+no_torch_compile": {"engine": {}, "pycache": True,
+                                        "env": {"PYTHONDONTWRITEBYTECODE": "", "TORCHDYNAMO_DISABLE": "1"}},
 }
 
 
@@ -479,12 +506,12 @@ def bench_coldstart(args) -> dict:
                 log(f"  coldstart {name} failed:\n{proc.stderr[-2000:]}")
                 continue
             runs.append({**json.loads(line[-1][len("BENCH_RESULT "):]), "process_s": wall})
-        out[name] = {k: summary([r[k] for r in runs]) for k in
-                     ("import_s", "build_s", "first_play_s", "second_play_s", "process_s")} if runs else {"failed": True}
+        keys = ("import_s", "build_s", "first_play_s", "second_play_s", "process_s")
+        out[name] = {k: summary([r[k] for r in runs]) for k in keys} if runs else {"failed": True}
         out[name]["settings"] = cfg
         if runs:
-            log(f"  coldstart {name}: build {fmt(out[name]['build_s'])} s, first play {fmt(out[name]['first_play_s'])} s, "
-                f"whole process {fmt(out[name]['process_s'])} s")
+            log(f"  coldstart {name}: build {fmt(out[name]['build_s'])} s, "
+                f"first play {fmt(out[name]['first_play_s'])} s, whole process {fmt(out[name]['process_s'])} s")
     out["load_end"] = load()
     return out
 
@@ -519,13 +546,13 @@ def table(results: dict) -> str:
         p = r["params"]
         lines += [f"### Rollout: vLLM engine vs transformers `generate` ({p['mazes']} mazes x {p['samples']} samples, "
                   f"{p['max_new_tokens']} tokens per reply, LoRA rank {p['lora_rank']}, {p['repeats']} repeats)", "",
-                  "| turns | vLLM env steps/s | HF env steps/s | vLLM tokens/s | HF tokens/s | speedup (median of pairs) |",
-                  "| --- | --- | --- | --- | --- | --- |"]
+                  "| turns | vLLM env steps/s | HF env steps/s | vLLM tokens/s | HF tokens/s "
+                  "| speedup (median of pairs) | same tokens and steps |", "| --- | --- | --- | --- | --- | --- | --- |"]
         for turns in p["turn_limits"]:
             row = r[f"turns_{turns}"]
             lines.append(f"| {turns} | {fmt(row['vllm']['steps_per_s'])} | {fmt(row['hf']['steps_per_s'])} | "
                          f"{fmt(row['vllm']['tokens_per_s'])} | {fmt(row['hf']['tokens_per_s'])} | "
-                         f"**{fmt(row['speedup_steps'])}x** |")
+                         f"**{fmt(row['speedup_steps'])}x** | {'yes' if row['same_work'] else 'NO'} |")
         lines += ["", f"Engine build {r['engine_build_s']:.1f} s and warm-up {r['engine_first_play_s']:.1f} s "
                   f"(first play) + {r['warmup_rest_s']:.1f} s, not in the figures above.", ""]
         if prof := r.get("profile"):

@@ -157,7 +157,8 @@ def main():
     parser.add_argument("--steps", type=int, default=4, help="measured optimizer steps (after --warmup)")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--lora-rank", type=int, default=32)
-    parser.add_argument("--no-grad-ckpt", action="store_true", help="no gradient checkpointing (train.py uses it on GPU)")
+    parser.add_argument("--no-grad-ckpt", action="store_true",
+                        help="no gradient checkpointing (train.py uses it on GPU)")
     parser.add_argument("--out", default="", help="JSON path; default bench/results/<date>-gpu_mfu[-tiny].json")
     args = parser.parse_args()
 
