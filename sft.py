@@ -20,6 +20,7 @@ so the model sees off-path states and learns the way back from them.
 
 import argparse
 import json
+import math
 import os
 import random
 import shutil
@@ -78,18 +79,48 @@ def demonstration(maze, chat: rollout.ChatFormat, reply_ids: dict, rng: random.R
     return [s for s, keep in zip(episode.sequences, trained) if keep]
 
 
+@torch.no_grad()
+def action_accuracy(model, processor, sequences: list, answer_id: int, shuffle_images: random.Random | None = None,
+                    micro_batch_size: int = 8) -> float:
+    """Teacher-forced accuracy on the action token (the one right after `<answer>`).
+
+    With `shuffle_images`, every image is swapped for a random image from other sequences: a
+    model that really reads the maze drops towards chance, one that only learned the text
+    history's habits (e.g. "keep going the way you went") does not notice. The gap between the
+    two is how much the policy uses its eyes.
+    """
+    if shuffle_images is not None:
+        pool = [image for s in sequences for image in s.images]
+        sequences = [rollout.Sequence(s.token_ids, s.response_mask, s.rollout_logprobs,
+                                      [shuffle_images.choice(pool) for _ in s.images]) for s in sequences]
+    batch = Batch(sequences, processor)
+    right = total = 0
+    was_training = model.training
+    model.eval()
+    for start in range(0, len(sequences), micro_batch_size):
+        idx = list(range(start, min(start + micro_batch_size, len(sequences))))
+        inputs, mask, _ = batch.micro(idx, torch.device("cpu"))
+        predicted = model(**inputs).logits[:, :-1].argmax(-1)
+        is_action = (mask > 0) & (inputs["input_ids"][:, :-1] == answer_id)
+        right += ((predicted == inputs["input_ids"][:, 1:]) & is_action).sum().item()
+        total += is_action.sum().item()
+    model.train(was_training)
+    return right / max(total, 1)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="", help="HF model dir or id; empty: the tiny model")
     parser.add_argument("--out", default="runs/sft", help="where the fine-tuned model is written")
     parser.add_argument("--difficulty", default="small")
     parser.add_argument("--steps", type=int, default=1500)
-    parser.add_argument("--batch-size", type=int, default=32, help="sequences per optimizer step")
+    parser.add_argument("--batch-size", type=int, default=4,
+                        help="sequences per optimizer step (one per maze with full history, one per turn otherwise)")
     parser.add_argument("--lr", type=float, default=2e-3)
-    parser.add_argument("--warmup", type=int, default=50)
+    parser.add_argument("--warmup", type=int, default=30, help="linear warm-up steps, then cosine decay to 0")
     parser.add_argument("--noise", type=float, default=0.2, help="chance of a random demonstration move")
     parser.add_argument("--max-turns", type=int, default=15)
-    parser.add_argument("--max-images", type=int, default=1, help="0: full image history")
+    parser.add_argument("--max-images", type=int, default=0, help="0: full image history (the walkthrough's format)")
     parser.add_argument("--cell-px", type=int, default=env.CELL_PX_TINY)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log-every", type=int, default=50)
@@ -111,10 +142,13 @@ def main():
     chat = rollout.ChatFormat(processor, eos)
     # the reply the model should learn: the answer, then the end-of-turn token
     reply_ids = {a: chat._ids(f"<answer>{a}</answer>") + [eos[0]] for a in env.ACTION_STRINGS}
+    answer_id = chat._ids("<answer>")[0]  # the action token is the one right after it
     model = Qwen3VLForConditionalGeneration.from_pretrained(model_path, dtype=torch.float32)
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / args.warmup))
+    # linear warm-up, then a cosine decay to zero at the last step
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / args.warmup)
+                                                 * 0.5 * (1 + math.cos(math.pi * min(s / args.steps, 1.0))))
 
     stream = env.TrainMazeStream(args.difficulty)  # never an evaluation layout
     pool, log, t_start = [], [], time.time()
@@ -137,17 +171,32 @@ def main():
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         schedule.step()
-        # a turn counts as right when every reply token is the argmax
+        # accuracy on the action tokens (the rest of a reply is fixed syntax, learned in a few steps)
         with torch.no_grad():
-            right = ((logits.argmax(-1) == inputs["input_ids"][:, 1:]) | (mask == 0)).all(-1)
-        log.append({"step": step + 1, "loss": loss.item(), "turn_accuracy": right.float().mean().item()})
+            is_action = (mask > 0) & (inputs["input_ids"][:, :-1] == answer_id)
+            right = ((logits.argmax(-1) == inputs["input_ids"][:, 1:]) & is_action).sum() / is_action.sum().clamp_min(1)
+        log.append({"step": step + 1, "loss": loss.item(), "action_accuracy": right.item()})
         if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
             recent = log[-args.log_every:]
-            acc = sum(r["turn_accuracy"] for r in recent) / len(recent)
+            acc = sum(r["action_accuracy"] for r in recent) / len(recent)
             bar.set_postfix(loss=f"{recent[-1]['loss']:.3f}", acc=f"{acc:.2f}")
             with open(out / "sft_metrics.jsonl", "a") as f:
-                f.write(json.dumps({**log[-1], "turn_accuracy_avg": acc, "wall_s": time.time() - t_start,
+                f.write(json.dumps({**log[-1], "action_accuracy_avg": acc, "wall_s": time.time() - t_start,
                                     "mazes_seen": stream.position}) + "\n")
+
+    # Does the policy read the image? Demonstrations on the held-out evaluation mazes (evaluated on,
+    # never trained on), with their real images and with shuffled ones.
+    held_out = []
+    for maze in env.eval_mazes(args.difficulty, 32):
+        held_out += demonstration(maze, chat, reply_ids, rng, max_turns=args.max_turns,
+                                  max_images=args.max_images or None, cell_px=args.cell_px, noise=args.noise)
+    check = {"heldout_action_accuracy": action_accuracy(model, processor, held_out, answer_id),
+             "heldout_action_accuracy_shuffled_images": action_accuracy(model, processor, held_out, answer_id,
+                                                                        shuffle_images=random.Random(0))}
+    print("held-out action accuracy: {heldout_action_accuracy:.3f} with the real images, "
+          "{heldout_action_accuracy_shuffled_images:.3f} with shuffled ones".format(**check))
+    with open(out / "sft_metrics.jsonl", "a") as f:
+        f.write(json.dumps({"step": args.steps, **check}) + "\n")
 
     # an ordinary HF model directory, written to a temp dir and renamed into place
     final = out / "model"
@@ -156,7 +205,7 @@ def main():
     processor.save_pretrained(tmp)
     generation.save_pretrained(tmp)
     (tmp / "SFT_INFO.json").write_text(json.dumps({**vars(args), "base": model_path,
-                                                   "final_turn_accuracy": log[-1]["turn_accuracy"]}, indent=2))
+                                                   "final_action_accuracy_avg": acc, **check}, indent=2))
     tmp.chmod(0o755)
     if final.exists():
         shutil.rmtree(final)

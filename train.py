@@ -442,13 +442,31 @@ def old_logprobs(cfg, model, batch: Batch, device) -> tuple[dict, dict, dict]:
     return old, ref, mismatch
 
 
+def single_pass(cfg) -> bool:
+    """One optimizer step per rollout batch and no KL term: the policy being updated IS the one
+    that sampled, so pi_old = pi_theta.detach() and the separate old-logprob pass is skipped.
+    (vLLM's own logprobs would do as well here, they differ by ~1e-7; recomputing keeps the
+    trainer's numerics on both sides of the ratio.)"""
+    return cfg.num_mini_batches == 1 and cfg.kl_coef == 0
+
+
 def grpo_update(cfg, model, optimizer, scheduler, params, batch: Batch, seq_advantages, episode_of,
-                old: dict, ref: dict, num_episodes: int, device) -> dict:
-    """Mini-batches of episodes (one optimizer step each) of micro-batches of their sequences."""
+                old: dict | None, ref: dict, num_episodes: int, device) -> dict:
+    """Mini-batches of episodes (one optimizer step each) of micro-batches of their sequences.
+
+    `old` is None in the single-pass case: the ratio is then exp(logp - logp.detach()) = 1 with
+    the gradient of logp, and the rollout mismatch is measured on this very forward pass.
+    Sequences with advantage 0 (every member of their group scored the same) are not run at all
+    when there is no KL term: their loss and gradient are exactly zero. They still count in the
+    normaliser, so the update is the same as if they had been run, only cheaper.
+    """
     model.train()
     world = dist.get_world_size()
     per_mini = num_episodes // cfg.num_mini_batches
     stats = {"clip_frac": [], "ratio_mean": [], "kl": [], "pg_loss": [], "grad_norm": []}
+    sums = torch.zeros(3, dtype=torch.float64)  # mismatch: |diff| sum, k3 sum, tokens
+    worst = torch.zeros((), dtype=torch.float64)
+    trained = 0
     for mb in range(cfg.num_mini_batches):
         in_mini = [i for i, e in enumerate(episode_of) if mb * per_mini <= e < (mb + 1) * per_mini]
         # Normaliser: token-mean divides by the mini-batch's response tokens over ALL ranks
@@ -460,21 +478,31 @@ def grpo_update(cfg, model, optimizer, scheduler, params, batch: Batch, seq_adva
         count = torch.tensor(float(count))
         dist.all_reduce(count)
         normalizer = count.item() / world
+        if cfg.kl_coef == 0:
+            in_mini = [i for i in in_mini if seq_advantages[i] != 0]
+        trained += len(in_mini)
         optimizer.zero_grad(set_to_none=True)
         for idx in synced_micro_batches(in_mini, cfg.micro_batch_size):
             filler = idx is None
-            inputs, mask, _ = batch.micro(in_mini[:1] if filler else idx, device)
-            rows = in_mini[:1] if filler else idx
+            rows = [0] if filler else idx  # a filler runs any one sequence, with weight 0
+            inputs, mask, rollout_lp = batch.micro(rows, device)
             lp = sequence_logprobs(model, inputs)
+            old_lp = lp.detach() if old is None else pad_rows([old[i] for i in rows], device)
             loss, m = grpo.policy_loss(
-                lp, pad_rows([old[i] for i in rows], device), seq_advantages[rows].to(device), mask,
+                lp, old_lp, seq_advantages[rows].to(device), mask,
                 clip_eps_low=cfg.clip_eps_low, clip_eps_high=cfg.clip_eps_high,
                 aggregation=cfg.loss_aggregation, loss_normalizer=normalizer,
                 ref_logprobs=pad_rows([ref[i] for i in rows], device) if ref else None, kl_coef=cfg.kl_coef)
             (loss * (0.0 if filler else 1.0)).backward()
-            if not filler:
-                for k in ("clip_frac", "ratio_mean", "kl", "pg_loss"):
-                    stats[k].append(m[k])
+            if filler:
+                continue
+            for k in ("clip_frac", "ratio_mean", "kl", "pg_loss"):
+                stats[k].append(m[k])
+            if old is None:
+                mm, tokens = grpo.logprob_mismatch(lp.detach(), rollout_lp, mask), mask.sum().item()
+                sums += torch.tensor([mm["mismatch_abs_mean"] * tokens, mm["mismatch_k3"] * tokens, tokens],
+                                     dtype=torch.float64)
+                worst = torch.maximum(worst, torch.tensor(mm["mismatch_abs_max"], dtype=torch.float64))
         grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
         grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
         stats["grad_norm"].append(grad_norm.item())
@@ -482,6 +510,12 @@ def grpo_update(cfg, model, optimizer, scheduler, params, batch: Batch, seq_adva
         scheduler.step()
     out = {k: sum(v) / max(len(v), 1) for k, v in stats.items()}
     out["lr"] = scheduler.get_last_lr()[0]
+    out["trained_sequence_frac"] = trained / max(len(episode_of), 1)
+    if old is None:
+        dist.all_reduce(sums)
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+        out.update({"mismatch_abs_mean": (sums[0] / sums[2].clamp_min(1)).item(),
+                    "mismatch_k3": (sums[1] / sums[2].clamp_min(1)).item(), "mismatch_abs_max": worst.item()})
     return out
 
 
@@ -706,8 +740,10 @@ def main(cfg: Config):
         episode_of = [i for i, e in enumerate(episodes) for _ in e.sequences]
         seq_advantages = advantages[episode_of]  # every sequence of an episode shares its advantage
         batch = Batch(sequences, processor)
-        old, ref, mismatch = old_logprobs(cfg, model, batch, device)
-        metrics.update(mismatch)
+        old, ref = None, {}
+        if not single_pass(cfg):
+            old, ref, mismatch = old_logprobs(cfg, model, batch, device)
+            metrics.update(mismatch)
         timing["logprobs_s"] = time.time() - t0
 
         # 3. the GRPO update

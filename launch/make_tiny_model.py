@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 DEFAULT_DIR = ROOT / ".cache" / "tiny-qwen3-vl"
-BUILD_VERSION = 1  # bump when the architecture or tokenizer recipe changes
+BUILD_VERSION = 2  # bump when the architecture, processor or tokenizer recipe changes
 
 # Qwen's special tokens. The vision ones are what the Qwen3-VL processor and vLLM look for.
 SPECIAL_TOKENS = [
@@ -117,10 +117,17 @@ def build(out_dir: Path, seed: int = 0, vocab_size: int = 1024) -> Path:
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
     # Pixel budget: enough for an 11x11 maze at 32 px (352x352) without resizing, small minimum so
     # a 5x5 maze (160x160) is not upscaled. 16 px patches merged 2x2 -> one token per 32x32 cell.
+    #
+    # Pixel normalisation: centred between the maze's two main colours, white path (1.0) and gray
+    # wall (0.66). With Qwen's usual mean 0.5 both are positive multiples of (1, 1, 1), so a
+    # uniform path patch and a uniform wall patch embed to parallel vectors (the patch embedding is
+    # linear, its bias starts at 0) and the vision tower's LayerNorms make them identical: a
+    # random-init model then literally cannot see the walls (cosine 0.99 between wall and path
+    # tokens), and SFT learns to ignore the image. Centred at 0.8 they point opposite ways.
     image_processor = Qwen2VLImageProcessor(
         patch_size=16, merge_size=2, temporal_patch_size=2,
         min_pixels=64 * 64, max_pixels=512 * 512,
-        image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5],
+        image_mean=[0.8, 0.8, 0.8], image_std=[0.2, 0.2, 0.2],
     )
     video_processor = Qwen3VLVideoProcessor(patch_size=16, merge_size=2, temporal_patch_size=2)
     processor = Qwen3VLProcessor(image_processor=image_processor, tokenizer=tokenizer,

@@ -9,9 +9,9 @@ cd "$(dirname "$0")/.."
 bash launch/setup.sh
 out="${OUT:-runs/main}"
 if [ ! -f "$out/sft/model/config.json" ]; then
-  .venv/bin/python sft.py --out "$out/sft" --difficulty small --max-images 1 ${SFT_ARGS:---steps 600}
+  .venv/bin/python sft.py --out "$out/sft" --difficulty small ${SFT_ARGS:---steps 600}
 fi
 .venv/bin/python train.py --model "$out/sft/model" --out-dir "$out/grpo" --difficulty small \
-  --max-images 1 --lora-rank 8 --steps 10 --prompts-per-step 4 --group-size 8 --max-new-tokens 8 \
+  --lora-rank 8 --steps 10 --prompts-per-step 4 --group-size 8 --max-new-tokens 8 \
   --lr 1e-3 --micro-batch-size 16 --eval-interval 5 --ckpt-interval 5 --export-interval 5 "$@"
 .venv/bin/python launch/report.py "$out/grpo"

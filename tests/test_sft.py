@@ -1,5 +1,6 @@
 """The SFT data path: demonstrations in the rollout's exact format, replies the only targets."""
 
+import json
 import random
 import subprocess
 import sys
@@ -63,7 +64,10 @@ def test_sft_then_grpo_smoke(tmp_path, tiny_model):
                            "--log-every", "1"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (sft_out / "model" / "config.json").exists() and (sft_out / "model" / "chat_template.jinja").exists()
-    assert len((sft_out / "sft_metrics.jsonl").read_text().splitlines()) == 3
+    lines = [json.loads(line) for line in (sft_out / "sft_metrics.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines] == [1, 2, 3, 3]  # one per step, then the image-reliance check
+    assert 0 <= lines[-1]["heldout_action_accuracy"] <= 1
+    assert 0 <= lines[-1]["heldout_action_accuracy_shuffled_images"] <= 1
     run = tmp_path / "grpo"
     proc = subprocess.run([sys.executable, "train.py", "--model", str(sft_out / "model"), "--out-dir", str(run),
                            "--steps", "1", "--prompts-per-step", "2", "--group-size", "2", "--max-turns", "3",

@@ -59,6 +59,27 @@ def _first_turn(tiny_model):
     return {"prompt_token_ids": ids, "multi_modal_data": {"image": [env.render(maze, maze.start)]}}
 
 
+def test_untrained_vision_tower_tells_walls_from_paths(tiny_model):
+    """Regression: with mean-0.5 pixel normalisation, uniform gray (wall) and white (path) patches
+    embedded to parallel vectors, the LayerNorms made them identical, and no amount of SFT taught
+    the model to see walls. Every kind of cell must start out distinguishable."""
+    processor = AutoProcessor.from_pretrained(tiny_model)
+    model = Qwen3VLForConditionalGeneration.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    maze = env.generate_maze(7, seed=3)
+    agent = next(c for c in [(3, 3), (1, 3), (3, 1)] if maze.is_open(c) and c != maze.goal)
+    pixels = processor.image_processor(images=[env.render(maze, agent)], return_tensors="pt")
+    with torch.no_grad():
+        tokens = model.model.visual(pixels["pixel_values"], grid_thw=pixels["image_grid_thw"]).pooler_output
+    tokens = torch.nn.functional.normalize(tokens, dim=-1)  # one token per cell, row-major
+    index = {cell: cell[0] * maze.size + cell[1] for cell in [(r, c) for r in range(7) for c in range(7)]}
+    paths = [index[c] for c in index if maze.is_open(c) and c not in (agent, maze.goal)]
+    walls = [index[c] for c in index if not maze.is_open(c)]
+    wall_vs_path = (tokens[walls] @ tokens[paths].T).mean().item()
+    agent_vs_path = (tokens[index[agent]] @ tokens[paths].T).mean().item()
+    goal_vs_path = (tokens[index[maze.goal]] @ tokens[paths].T).mean().item()
+    assert max(wall_vs_path, agent_vs_path, goal_vs_path) < 0.5, (wall_vs_path, agent_vs_path, goal_vs_path)
+
+
 def test_vllm_generates_from_an_image_prompt(engine, tiny_model):
     from vllm import SamplingParams
 

@@ -200,3 +200,84 @@ def test_bad_config_is_a_clear_error():
         train.Config(difficulty="impossible").validate(world_size=1)
     cfg = train.parse_config(["--steps", "7", "--scale-adv-by-std", "false", "--lr", "0.5"])
     assert (cfg.steps, cfg.scale_adv_by_std, cfg.lr) == (7, False, 0.5)
+
+
+# ----------------------------------------------------------------------------- the update's shortcuts
+
+def _update_check(results):
+    """In a fresh process: the single-pass update that skips zero-advantage sequences computes
+    the same LoRA gradient as running every sequence against separately computed old logprobs."""
+    import random
+
+    import torch
+    from transformers import AutoProcessor, GenerationConfig
+
+    import env
+    import grpo
+    import rollout
+    import sft
+    from launch.make_tiny_model import ensure_tiny_model
+
+    train.init_distributed()
+    model_path = str(ensure_tiny_model())
+    cfg = train.Config(lora_rank=8, lora_alpha=16, micro_batch_size=2, max_grad_norm=1e9)
+    torch.manual_seed(0)
+    model = train.build_policy(cfg, model_path, world_size=1)
+    params = [p for _, p in train.lora_parameters(model)]
+    with torch.no_grad():  # move off the B = 0 init, so the adapter's A matrices get gradients too
+        for p in params:
+            p.add_(0.05 * torch.randn_like(p))
+    processor = AutoProcessor.from_pretrained(model_path)
+    eos = GenerationConfig.from_pretrained(model_path).eos_token_id
+    chat = rollout.ChatFormat(processor, eos)
+    replies = {a: chat._ids(f"<answer>{a}</answer>") + [eos[0]] for a in env.ACTION_STRINGS}
+    sequences = [sft.demonstration(env.generate_maze(7, seed=1_000_000 + i), chat, replies, random.Random(i),
+                                   max_turns=4, max_images=None, cell_px=32, noise=0.5)[0] for i in range(4)]
+    batch = train.Batch(sequences, processor)
+    advantages = torch.tensor([1.0, 0.0, -0.5, 0.0])
+
+    class Recorder:  # stands in for the optimizer and scheduler: keeps the gradient of each step
+        grads = []
+
+        def zero_grad(self, set_to_none=True):
+            for p in params:
+                p.grad = None
+
+        def step(self):
+            self.grads.append([p.grad.full_tensor().clone() if p.grad is not None else torch.zeros(p.shape)
+                               for p in params])
+
+        def get_last_lr(self):
+            return [0.0]
+
+    rec = Recorder()
+    stats = train.grpo_update(cfg, model, rec, rec, params, batch, advantages, [0, 1, 2, 3], None, {}, 4,
+                              torch.device("cpu"))
+    old, _, _ = train.old_logprobs(cfg, model, batch, torch.device("cpu"))
+    train.grpo_update(cfg, model, rec, rec, params, batch, advantages, [0, 1, 2, 3], old, {}, 4, torch.device("cpu"))
+    # by hand: every sequence, normalised by all response tokens
+    rec.zero_grad()
+    inputs, mask, _ = batch.micro([0, 1, 2, 3], torch.device("cpu"))
+    lp = train.sequence_logprobs(model, inputs)
+    loss, _ = grpo.policy_loss(lp, lp.detach(), advantages, mask)
+    loss.backward()
+    rec.step()
+    out = {"trained_sequence_frac": stats["trained_sequence_frac"],
+           "grad_norm": sum(g.norm() ** 2 for g in rec.grads[2]).sqrt().item(),
+           "single_vs_two_pass": max((a - b).abs().max().item() for a, b in zip(rec.grads[0], rec.grads[1])),
+           "single_vs_by_hand": max((a - b).abs().max().item() for a, b in zip(rec.grads[0], rec.grads[2]))}
+    results.put(out)
+
+
+def test_single_pass_update_that_skips_zero_advantages_has_the_full_gradient():
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    proc = ctx.Process(target=_update_check, args=(results,))
+    proc.start()
+    out = results.get(timeout=240)
+    proc.join(timeout=60)
+    print("update check:", out)
+    assert out["trained_sequence_frac"] == 0.5  # the two zero-advantage sequences were not run
+    assert out["grad_norm"] > 1e-4  # a real gradient, not zeros everywhere
+    assert out["single_vs_two_pass"] < 1e-6 * max(1.0, out["grad_norm"])
+    assert out["single_vs_by_hand"] < 1e-6 * max(1.0, out["grad_norm"])
