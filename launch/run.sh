@@ -9,7 +9,7 @@ cd "$(dirname "$0")/.."
 bash launch/setup.sh
 out="${OUT:-runs/main}"
 if [ ! -f "$out/sft/model/config.json" ]; then
-  .venv/bin/python sft.py --out "$out/sft" --difficulty small ${SFT_ARGS:---steps 600}
+  .venv/bin/python sft.py --out "$out/sft" --difficulty small ${SFT_ARGS:---steps 2000}
 fi
 .venv/bin/python train.py --model "$out/sft/model" --out-dir "$out/grpo" --difficulty small \
   --lora-rank 8 --steps 10 --prompts-per-step 4 --group-size 8 --max-new-tokens 8 \
