@@ -79,6 +79,14 @@ def demonstration(maze, chat: rollout.ChatFormat, reply_ids: dict, rng: random.R
     return [s for s, keep in zip(episode.sequences, trained) if keep]
 
 
+def action_hits(logits, inputs: dict, mask, answer_id: int) -> tuple[int, int]:
+    """(right, total) over the action tokens, the ones right after `<answer>`: the rest of a reply
+    is fixed syntax, learned in a few steps. logits and mask are aligned to targets input_ids[:, 1:]."""
+    is_action = (mask > 0) & (inputs["input_ids"][:, :-1] == answer_id)
+    right = (logits.argmax(-1) == inputs["input_ids"][:, 1:]) & is_action
+    return int(right.sum()), int(is_action.sum())
+
+
 @torch.no_grad()
 def action_accuracy(model, processor, sequences: list, answer_id: int, shuffle_images: random.Random | None = None,
                     micro_batch_size: int = 8) -> float:
@@ -100,10 +108,8 @@ def action_accuracy(model, processor, sequences: list, answer_id: int, shuffle_i
     for start in range(0, len(sequences), micro_batch_size):
         idx = list(range(start, min(start + micro_batch_size, len(sequences))))
         inputs, mask, _ = batch.micro(idx, torch.device("cpu"))
-        predicted = model(**inputs).logits[:, :-1].argmax(-1)
-        is_action = (mask > 0) & (inputs["input_ids"][:, :-1] == answer_id)
-        right += ((predicted == inputs["input_ids"][:, 1:]) & is_action).sum().item()
-        total += is_action.sum().item()
+        hits, n = action_hits(model(**inputs).logits[:, :-1], inputs, mask, answer_id)
+        right, total = right + hits, total + n
     model.train(was_training)
     return right / max(total, 1)
 
@@ -171,11 +177,9 @@ def main():
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         schedule.step()
-        # accuracy on the action tokens (the rest of a reply is fixed syntax, learned in a few steps)
         with torch.no_grad():
-            is_action = (mask > 0) & (inputs["input_ids"][:, :-1] == answer_id)
-            right = ((logits.argmax(-1) == inputs["input_ids"][:, 1:]) & is_action).sum() / is_action.sum().clamp_min(1)
-        log.append({"step": step + 1, "loss": loss.item(), "action_accuracy": right.item()})
+            hits, n = action_hits(logits, inputs, mask, answer_id)
+        log.append({"step": step + 1, "loss": loss.item(), "action_accuracy": hits / max(n, 1)})
         if (step + 1) % args.log_every == 0 or step + 1 == args.steps:
             recent = log[-args.log_every:]
             acc = sum(r["action_accuracy"] for r in recent) / len(recent)

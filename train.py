@@ -405,14 +405,35 @@ def synced_micro_batches(indices: list[int], size: int) -> list:
     return local + [None] * (int(most) - len(local))
 
 
+class MismatchMeter:
+    """Token-weighted logprob mismatch (trainer vs vLLM) over micro-batches and ranks."""
+
+    def __init__(self):
+        self.sums = torch.zeros(3, dtype=torch.float64)  # |diff| sum, k3 sum, tokens
+        self.worst = torch.zeros((), dtype=torch.float64)
+
+    def add(self, logprobs, rollout_logprobs, mask):
+        m, tokens = grpo.logprob_mismatch(logprobs, rollout_logprobs, mask), mask.sum().item()
+        self.sums += torch.tensor([m["mismatch_abs_mean"] * tokens, m["mismatch_k3"] * tokens, tokens],
+                                  dtype=torch.float64)
+        self.worst = torch.maximum(self.worst, torch.tensor(m["mismatch_abs_max"], dtype=torch.float64))
+
+    def result(self) -> dict:
+        """Reduced over all ranks (a collective: every rank must call it)."""
+        dist.all_reduce(self.sums)
+        dist.all_reduce(self.worst, op=dist.ReduceOp.MAX)
+        tokens = self.sums[2].clamp_min(1)
+        return {"mismatch_abs_mean": (self.sums[0] / tokens).item(), "mismatch_k3": (self.sums[1] / tokens).item(),
+                "mismatch_abs_max": self.worst.item()}
+
+
 def old_logprobs(cfg, model, batch: Batch, device) -> tuple[dict, dict, dict]:
     """Logprobs of the sampled tokens under the current policy (and the base model for KL).
 
     Also the per-step proof that the engine sampled from this same policy: the mismatch between
     the trainer's logprobs and the ones vLLM reported while sampling.
     """
-    old, ref, sums = {}, {}, torch.zeros(3, dtype=torch.float64)  # |diff| sum, k3 sum, tokens
-    worst = torch.zeros((), dtype=torch.float64)
+    old, ref, mismatch = {}, {}, MismatchMeter()
     model.eval()
     with torch.no_grad():
         for idx in synced_micro_batches(list(range(len(batch.sequences))), cfg.micro_batch_size):
@@ -430,16 +451,8 @@ def old_logprobs(cfg, model, batch: Batch, device) -> tuple[dict, dict, dict]:
                 old[i] = lp[row, :n]
                 if ref_lp is not None:
                     ref[i] = ref_lp[row, :n]
-            m = grpo.logprob_mismatch(lp, rollout_lp, mask)
-            tokens = mask.sum().item()
-            sums += torch.tensor([m["mismatch_abs_mean"] * tokens, m["mismatch_k3"] * tokens, tokens],
-                                 dtype=torch.float64)
-            worst = torch.maximum(worst, torch.tensor(m["mismatch_abs_max"], dtype=torch.float64))
-    dist.all_reduce(sums)
-    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-    mismatch = {"mismatch_abs_mean": (sums[0] / sums[2].clamp_min(1)).item(),
-                "mismatch_k3": (sums[1] / sums[2].clamp_min(1)).item(), "mismatch_abs_max": worst.item()}
-    return old, ref, mismatch
+            mismatch.add(lp, rollout_lp, mask)
+    return old, ref, mismatch.result()
 
 
 def single_pass(cfg) -> bool:
@@ -464,8 +477,7 @@ def grpo_update(cfg, model, optimizer, scheduler, params, batch: Batch, seq_adva
     world = dist.get_world_size()
     per_mini = num_episodes // cfg.num_mini_batches
     stats = {"clip_frac": [], "ratio_mean": [], "kl": [], "pg_loss": [], "grad_norm": []}
-    sums = torch.zeros(3, dtype=torch.float64)  # mismatch: |diff| sum, k3 sum, tokens
-    worst = torch.zeros((), dtype=torch.float64)
+    mismatch = MismatchMeter()  # used in the single-pass case
     trained = 0
     for mb in range(cfg.num_mini_batches):
         in_mini = [i for i, e in enumerate(episode_of) if mb * per_mini <= e < (mb + 1) * per_mini]
@@ -499,10 +511,7 @@ def grpo_update(cfg, model, optimizer, scheduler, params, batch: Batch, seq_adva
             for k in ("clip_frac", "ratio_mean", "kl", "pg_loss"):
                 stats[k].append(m[k])
             if old is None:
-                mm, tokens = grpo.logprob_mismatch(lp.detach(), rollout_lp, mask), mask.sum().item()
-                sums += torch.tensor([mm["mismatch_abs_mean"] * tokens, mm["mismatch_k3"] * tokens, tokens],
-                                     dtype=torch.float64)
-                worst = torch.maximum(worst, torch.tensor(mm["mismatch_abs_max"], dtype=torch.float64))
+                mismatch.add(lp.detach(), rollout_lp, mask)
         grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
         grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
         stats["grad_norm"].append(grad_norm.item())
@@ -512,10 +521,7 @@ def grpo_update(cfg, model, optimizer, scheduler, params, batch: Batch, seq_adva
     out["lr"] = scheduler.get_last_lr()[0]
     out["trained_sequence_frac"] = trained / max(len(episode_of), 1)
     if old is None:
-        dist.all_reduce(sums)
-        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-        out.update({"mismatch_abs_mean": (sums[0] / sums[2].clamp_min(1)).item(),
-                    "mismatch_k3": (sums[1] / sums[2].clamp_min(1)).item(), "mismatch_abs_max": worst.item()})
+        out.update(mismatch.result())
     return out
 
 

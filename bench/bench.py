@@ -139,25 +139,6 @@ def hf_play_episodes(model, processor, mazes: list, *, samples_per_maze: int, ma
     return {"turns": turns, "tokens": tokens}
 
 
-def random_adapter(model_path: str, rank: int, out_dir: Path):
-    """The HF policy with a PEFT LoRA (as train.py builds it) and the same adapter on disk for vLLM.
-
-    LoRA B is drawn at random too (PEFT starts it at zero), so the adapter really changes the model.
-    """
-    from peft import LoraConfig, get_peft_model
-    from transformers import Qwen3VLForConditionalGeneration
-
-    model = Qwen3VLForConditionalGeneration.from_pretrained(model_path, dtype=torch.float32)
-    torch.manual_seed(0)
-    model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=rollout.LORA_TARGET_REGEX))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.02)
-    model.save_pretrained(str(out_dir))
-    return model.eval()
-
-
 def bench_rollout(args) -> dict:
     """Section 1: the vLLM rollout against the plain transformers loop, same episodes."""
     from transformers import AutoProcessor, GenerationConfig
@@ -180,7 +161,9 @@ def bench_rollout(args) -> dict:
     mazes = [env.generate_maze(size, 2_000_000 + i) for i in range(p["mazes"])]  # fixed seeds, never training's
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-adapter-"))
-    hf_model = random_adapter(model_path, p["lora_rank"], tmp)
+    from launch.make_tiny_model import random_lora
+
+    hf_model = random_lora(model_path, tmp, rank=p["lora_rank"], seed=0, b_std=0.02)
     lora = LoRARequest("bench", 1, str(tmp))
 
     t = time.time()

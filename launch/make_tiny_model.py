@@ -190,6 +190,29 @@ def ensure_tiny_model(out_dir: Path = DEFAULT_DIR, seed: int = 0, force: bool = 
     return build(out_dir, seed=seed)
 
 
+def random_lora(model_dir, out_dir, *, rank: int = 8, seed: int = 0, b_std: float = 0.5):
+    """The HF model with a PEFT LoRA as train.py attaches it, saved to `out_dir` for vLLM/serving.
+
+    LoRA B is drawn at random too (PEFT starts it at zero, i.e. no change), so the adapter really
+    changes the model. Returns the PEFT model in eval mode. For tests and benchmarks.
+    """
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import Qwen3VLForConditionalGeneration
+
+    import rollout
+
+    model = Qwen3VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32)
+    torch.manual_seed(seed)
+    model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=rollout.LORA_TARGET_REGEX))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0.0, b_std)
+    model.save_pretrained(str(out_dir))
+    return model.eval()
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=DEFAULT_DIR)

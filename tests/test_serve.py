@@ -18,11 +18,11 @@ from pathlib import Path
 from typing import get_args
 
 import pytest
-import torch
 
 import env
 import rollout
 import serve
+from make_tiny_model import random_lora
 
 ROOT = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
@@ -33,21 +33,6 @@ REQUEST_TIMEOUT_S = 120
 TRAIN_ARGS = ["--steps", "1", "--prompts-per-step", "2", "--group-size", "2", "--eval-mazes", "8",
               "--eval-interval", "1", "--export-interval", "1", "--max-turns", "4", "--max-new-tokens", "8",
               "--progress", "false"]
-
-
-def make_adapter(model_dir: Path, out: Path, seed: int, rank: int = 8):
-    """A PEFT LoRA on the tiny model with random B (PEFT starts B at zero, i.e. no change)."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import Qwen3VLForConditionalGeneration
-
-    model = Qwen3VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32)
-    torch.manual_seed(seed)
-    model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=rollout.LORA_TARGET_REGEX))
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_B" in name:
-                param.normal_(0.0, 0.5)
-    model.save_pretrained(str(out))
 
 
 def free_port() -> int:
@@ -126,8 +111,8 @@ def adapter_root(training, tiny_model, tmp_path_factory) -> Path:
     """<root>/{a, b, run1/...} plus two links: `inside` -> a, and `escape` -> an adapter outside."""
     root = training[0]
     outside = tmp_path_factory.mktemp("outside")
-    make_adapter(tiny_model, root / "a", seed=1)
-    make_adapter(tiny_model, root / "b", seed=2)
+    random_lora(tiny_model, root / "a", seed=1)
+    random_lora(tiny_model, root / "b", seed=2)
     shutil.copytree(root / "a", outside / "stolen")
     (root / "inside").symlink_to(root / "a")
     (root / "escape").symlink_to(outside / "stolen")
@@ -303,7 +288,7 @@ def test_bad_requests_get_a_clear_4xx_and_the_server_keeps_serving(server, base,
         assert server.chat(base, messages, max_tokens=2)[0] == 200
 
     # adapters that appear after start-up and cannot be loaded: too big a rank, no weights
-    make_adapter(tiny_model, adapter_root / "late" / "rank16", seed=3, rank=16)
+    random_lora(tiny_model, adapter_root / "late" / "rank16", seed=3, rank=16)
     write_config(adapter_root / "late" / "no_weights", 8)
     for name in ("late/rank16", "late/no_weights"):
         status, body = server.chat(f"{base}:{name}", messages)
