@@ -75,3 +75,22 @@ def test_sft_then_grpo_smoke(tmp_path, tiny_model):
                            "--progress", "false"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (run / "eval" / "step_1.json").exists() and (run / "adapters" / "step_1").exists()
+
+
+def test_action_hits_count_one_action_token_per_trained_reply(tiny_model):
+    import torch
+
+    from train import Batch
+
+    processor, chat, replies = _setup(tiny_model)
+    maze = env.generate_maze(7, seed=1_000_789)
+    (seq,) = sft.demonstration(maze, chat, replies, random.Random(1), max_turns=15, max_images=None,
+                               cell_px=32, noise=0.3)
+    inputs, mask, _ = Batch([seq], processor).micro([0], torch.device("cpu"))
+    targets = inputs["input_ids"][:, 1:]
+    answer_id = chat._ids("<answer>")[0]
+    perfect = torch.nn.functional.one_hot(targets, num_classes=int(targets.max()) + 1).float()
+    hits, total = sft.action_hits(perfect, inputs, mask, answer_id)
+    assert total == len(masked_segments(seq)) > 0 and hits == total  # one action per trained reply
+    wrong = perfect.roll(1, dims=-1)  # every argmax shifted to another token
+    assert sft.action_hits(wrong, inputs, mask, answer_id) == (0, total)
