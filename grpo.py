@@ -9,6 +9,8 @@ References
   Dr. GRPO   Liu et al. 2025, "Understanding R1-Zero-like Training" (arXiv:2503.20783), Sec. 3
   DAPO       Yu et al. 2025, "DAPO" (arXiv:2503.14476), Sec. 3.1 "Clip-Higher"
   k3 KL      Schulman 2020, "Approximating KL Divergence", http://joschu.net/blog/kl-approx.html
+  GiGPO      Feng et al. 2025, "Group-in-Group Policy Optimization for LLM Agent Training"
+             (arXiv:2505.10978), Sec. 3: step-level advantages from repeated states
 """
 
 from __future__ import annotations
@@ -112,6 +114,31 @@ def gather_group_advantages(local_rewards: Tensor, local_group_ids: Tensor, scal
     return local.to(device=local_rewards.device, dtype=out_dtype), stats
 
 
+# ----------------------------------------------------------------------------- step-level advantages
+
+def discounted_returns(reward: float, num_turns: int, gamma: float) -> list[float]:
+    """Return of each turn of an episode whose only reward comes at its end:
+    G_t = gamma^(T-1-t) * R for t = 0..T-1. With gamma < 1 the same success is worth less the
+    more turns it still takes, so a wasted turn (a bump into a wall) lowers every return before it."""
+    return [reward * gamma ** (num_turns - 1 - t) for t in range(num_turns)]
+
+
+def step_advantages(returns: Tensor, anchor_ids: Tensor, scale_by_std: bool = True, eps: float = 1e-6) -> Tensor:
+    """GiGPO's step-level advantages (Feng et al. 2025, Sec. 3.2), one per turn.
+
+    The episodes of a group play the same maze, so they keep meeting the *same* states (the
+    agent on the same cell). Turns taken from the same state form an anchor group, and each
+    turn's discounted return is normalised within it, exactly like rewards within a GRPO group:
+        A^S_t = (G_t - mean_{anchor}(G)) / (std_{anchor}(G) + eps)
+    This compares actions taken in the very same situation, which the episode-level advantage
+    cannot: it gives one number to a dozen moves. Turns whose state no other turn shared, or whose
+    anchor group's returns are all equal, get exactly 0.
+
+    returns: float [N turns]; anchor_ids: long [N], equal for turns from the same state.
+    """
+    return _advantages_and_stats(returns, anchor_ids, scale_by_std, eps)[0]
+
+
 # ----------------------------------------------------------------------------- per-token math
 
 def masked_mean(x: Tensor, mask: Tensor, dim=None) -> Tensor:
@@ -137,7 +164,8 @@ def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, resp
     """GRPO's clipped surrogate loss (to minimise) and detached float metrics.
 
     logprobs (with grad), old_logprobs, response_mask, ref_logprobs: [B, T];
-    advantages: [B], one per sequence, broadcast over its tokens. response_mask is 1 on
+    advantages: [B], one per sequence, broadcast over its tokens, or [B, T], one per token
+    (per-turn advantages: each reply's tokens carry that turn's value). response_mask is 1 on
     tokens the policy generated, 0 on prompt / tool-observation / padding positions; those
     contribute exactly nothing, even if their log-probs are nan or inf.
 
@@ -158,11 +186,13 @@ def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, resp
     # 0 to the unselected branch, so nan/inf there can neither reach the loss nor the grads.
     logp = torch.where(mask, logprobs, zero)
     old = torch.where(mask, old_logprobs.detach().to(logp.dtype), zero)
-    A = advantages.detach().to(logp.dtype).unsqueeze(-1)  # [B, 1]
+    A = advantages.detach().to(logp.dtype)
+    A = A.unsqueeze(-1) if A.dim() == 1 else torch.where(mask, A, zero)  # [B, 1] or [B, T]
 
     # PPO-clip (Schulman et al. 2017, Eq. 7), per token t of sequence i, as in GRPO Eq. 3:
     #   ratio = pi_theta(o_t) / pi_old(o_t) = exp(logp - old_logp)
     #   L_t = -min( ratio * A_i , clip(ratio, 1 - eps_low, 1 + eps_high) * A_i )
+    # (A_it in place of A_i with per-token advantages.)
     # eps_high > eps_low is DAPO's "clip-higher" (Yu et al. 2025, Sec. 3.1, eps_high = 0.28).
     ratio = torch.exp(logp - old)
     surr_unclipped = ratio * A

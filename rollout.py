@@ -181,6 +181,7 @@ class Episode:
     user_turns_text_only: list = field(default_factory=list)  # the same turns without the image
     reply_ids: list = field(default_factory=list)  # generated ids of each reply, exactly
     images: list = field(default_factory=list)  # the state image of each user turn
+    states: list = field(default_factory=list)  # the agent's cell when each reply was made
     sequences: list = field(default_factory=list)  # what the trainer trains on
     replies: list = field(default_factory=list)  # decoded text of each reply, for logs and eval
     reward: float = 0.0
@@ -302,6 +303,7 @@ def play_episodes(engine, chat: ChatFormat, mazes: list, group_ids: list, *, sam
             episode.replies.append(text)
             episode.truncated_replies += completion.finish_reason == "length"
 
+            episode.states.append(game.agent)
             obs = game.step(text)
             episode.invalid_actions += not obs.valid
             if game.done:

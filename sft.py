@@ -8,10 +8,13 @@ RL starts from a supervised checkpoint. The demonstrations are the BFS solver's 
 through the same env, rendered and tokenised exactly as `rollout.py` does it (same chat template,
 same images, same last-k-images policy); only the replies are trained on.
 
-Full fine-tuning, not LoRA: the tiny model is randomly initialised, so there is nothing for a
-low-rank adapter to adapt; every weight (vision tower included) has to learn. For a real
-pretrained Qwen3-VL you would do LoRA SFT instead and merge it. The output is an ordinary HF
-model directory that `train.py --model` starts from; GRPO then trains a LoRA on top of it.
+Full fine-tuning of the language model, not LoRA: the tiny model's language model is randomly
+initialised, so there is nothing for a low-rank adapter to adapt. The vision tower stays frozen
+(`--freeze-vision 1`): it arrives able to see (the tiny model's build pretrains it on maze
+pictures, standing in for a real VLM's pretrained encoder), and behaviour cloning, whose signal
+is one action per turn, only blurs what it has learned. For a real pretrained Qwen3-VL you would
+do LoRA SFT instead and merge it. The output is an ordinary HF model directory that
+`train.py --model` starts from; GRPO then trains a LoRA on top of it.
 
 Demonstrations are made robust with noise injection (DART, Laskey et al. 2017): with probability
 `--noise` a random move is played instead of the optimal one, and that turn is not trained on,
@@ -130,6 +133,8 @@ def main():
     parser.add_argument("--cell-px", type=int, default=env.CELL_PX_TINY)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log-every", type=int, default=50)
+    parser.add_argument("--freeze-vision", type=int, default=1,
+                        help="1: keep the vision tower as it is (it arrives pretrained); 0: train it too")
     args = parser.parse_args()
 
     from transformers import AutoProcessor, GenerationConfig, Qwen3VLForConditionalGeneration
@@ -151,7 +156,9 @@ def main():
     answer_id = chat._ids("<answer>")[0]  # the action token is the one right after it
     model = Qwen3VLForConditionalGeneration.from_pretrained(model_path, dtype=torch.float32)
     model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+    if args.freeze_vision:
+        model.model.visual.requires_grad_(False)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr, weight_decay=0.01)
     # linear warm-up, then a cosine decay to zero at the last step
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / args.warmup)
                                                  * 0.5 * (1 + math.cos(math.pi * min(s / args.steps, 1.0))))

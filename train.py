@@ -65,6 +65,9 @@ class Config:
     clip_eps_high: float = 0.2  # > clip_eps_low: DAPO's clip-higher
     loss_aggregation: str = "token-mean"  # or seq-mean
     kl_coef: float = 0.0  # KL to the base model (LoRA disabled); 0 skips the reference pass
+    # step-level advantages (GiGPO): A_t = A_episode + step_adv_weight * A_step_t; 0 = plain GRPO
+    step_adv_weight: float = 0.0
+    gamma: float = 0.95  # discount of the per-turn returns G_t = gamma^(T-1-t) * reward
     # optimisation
     lr: float = 1e-4
     weight_decay: float = 0.0
@@ -106,6 +109,8 @@ class Config:
         episodes_per_rank = self.prompts_per_step // world_size * self.group_size
         if episodes_per_rank % self.num_mini_batches:
             problems.append(f"episodes per rank ({episodes_per_rank}) must divide into num_mini_batches")
+        if self.step_adv_weight < 0 or not 0 < self.gamma <= 1:
+            problems.append("step_adv_weight must be >= 0 and gamma in (0, 1]")
         if self.loss_aggregation not in ("token-mean", "seq-mean"):
             problems.append("loss_aggregation must be token-mean or seq-mean")
         if self.lr_schedule not in ("constant", "cosine"):
@@ -455,6 +460,38 @@ def old_logprobs(cfg, model, batch: Batch, device) -> tuple[dict, dict, dict]:
     return old, ref, mismatch.result()
 
 
+def turn_advantages(cfg, episodes, episode_advantages, sequences, episode_of) -> tuple[list, dict]:
+    """Per-token advantages A_t = A^E + w * A^S_t (GiGPO): every token of reply t carries its turn's.
+
+    A^E is the episode's GRPO advantage, A^S_t the step-level one (grpo.step_advantages), whose
+    anchor states are (group, agent cell): the same maze, the agent on the same cell. Anchor
+    groups never span ranks, because a group's episodes are all played on one rank. Returns one
+    row per sequence, aligned with the trainer's shifted targets (token j at position j - 1).
+    """
+    returns, anchors = [], []
+    for e in episodes:
+        returns += grpo.discounted_returns(e.reward, e.num_turns, cfg.gamma)
+        cells = e.maze.size * e.maze.size
+        anchors += [e.group_id * cells + r * e.maze.size + c for r, c in e.states]
+    step = grpo.step_advantages(torch.tensor(returns, dtype=torch.float64), torch.tensor(anchors, dtype=torch.long),
+                                scale_by_std=cfg.scale_adv_by_std)
+    first_turn = np.cumsum([0] + [e.num_turns for e in episodes])
+    next_turn = [0] * len(episodes)  # an episode's sequences hold its turns in order
+    rows = []
+    for seq, i in zip(sequences, episode_of):
+        row, turn, inside = torch.zeros(len(seq.token_ids) - 1), next_turn[i] - 1, False
+        for pos, m in enumerate(seq.response_mask[1:]):
+            if m and not inside:  # a reply starts: the episode's next turn
+                turn += 1
+            if m:
+                row[pos] = episode_advantages[i] + cfg.step_adv_weight * step[first_turn[i] + turn]
+            inside = bool(m)
+        next_turn[i] = turn + 1
+        rows.append(row)
+    stats = {"step_adv_nonzero_frac": (step != 0).double().mean().item() if step.numel() else 0.0}
+    return rows, stats
+
+
 def single_pass(cfg) -> bool:
     """One optimizer step per rollout batch and no KL term: the policy being updated IS the one
     that sampled, so pi_old = pi_theta.detach() and the separate old-logprob pass is skipped.
@@ -467,6 +504,8 @@ def grpo_update(cfg, model, optimizer, scheduler, params, batch: Batch, seq_adva
                 old: dict | None, ref: dict, num_episodes: int, device) -> dict:
     """Mini-batches of episodes (one optimizer step each) of micro-batches of their sequences.
 
+    `seq_advantages` is a [num_sequences] tensor (one advantage per sequence) or a list of
+    per-token rows (turn_advantages).
     `old` is None in the single-pass case: the ratio is then exp(logp - logp.detach()) = 1 with
     the gradient of logp, and the rollout mismatch is measured on this very forward pass.
     Sequences with advantage 0 (every member of their group scored the same) are not run at all
@@ -491,7 +530,7 @@ def grpo_update(cfg, model, optimizer, scheduler, params, batch: Batch, seq_adva
         dist.all_reduce(count)
         normalizer = count.item() / world
         if cfg.kl_coef == 0:
-            in_mini = [i for i in in_mini if seq_advantages[i] != 0]
+            in_mini = [i for i in in_mini if bool((seq_advantages[i] != 0).any())]
         trained += len(in_mini)
         optimizer.zero_grad(set_to_none=True)
         for idx in synced_micro_batches(in_mini, cfg.micro_batch_size):
@@ -500,8 +539,12 @@ def grpo_update(cfg, model, optimizer, scheduler, params, batch: Batch, seq_adva
             inputs, mask, rollout_lp = batch.micro(rows, device)
             lp = sequence_logprobs(model, inputs)
             old_lp = lp.detach() if old is None else pad_rows([old[i] for i in rows], device)
+            if isinstance(seq_advantages, list):  # per-token rows
+                advantages = pad_rows([seq_advantages[i] for i in rows], device)
+            else:
+                advantages = seq_advantages[rows].to(device)
             loss, m = grpo.policy_loss(
-                lp, old_lp, seq_advantages[rows].to(device), mask,
+                lp, old_lp, advantages, mask,
                 clip_eps_low=cfg.clip_eps_low, clip_eps_high=cfg.clip_eps_high,
                 aggregation=cfg.loss_aggregation, loss_normalizer=normalizer,
                 ref_logprobs=pad_rows([ref[i] for i in rows], device) if ref else None, kl_coef=cfg.kl_coef)
@@ -745,6 +788,9 @@ def main(cfg: Config):
         sequences = [seq for e in episodes for seq in e.sequences]
         episode_of = [i for i, e in enumerate(episodes) for _ in e.sequences]
         seq_advantages = advantages[episode_of]  # every sequence of an episode shares its advantage
+        if cfg.step_adv_weight > 0:  # ... plus, per turn, how its move compared from the same state
+            seq_advantages, step_stats = turn_advantages(cfg, episodes, advantages, sequences, episode_of)
+            metrics.update(step_stats)
         batch = Batch(sequences, processor)
         old, ref = None, {}
         if not single_pass(cfg):

@@ -15,12 +15,14 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from grpo import (  # noqa: E402
+    discounted_returns,
     gather_group_advantages,
     group_advantages,
     kl_k3,
     logprob_mismatch,
     masked_mean,
     policy_loss,
+    step_advantages,
     token_logprobs,
 )
 
@@ -54,6 +56,40 @@ def test_dr_grpo_advantages():
 def test_all_equal_non_representable_reward_is_exactly_zero():
     adv = group_advantages(torch.tensor([0.1, 0.1, 0.1]), torch.tensor([0, 0, 0]))
     assert (adv == 0).all()
+
+
+def test_discounted_returns():
+    assert discounted_returns(1.0, 3, 0.5) == [0.25, 0.5, 1.0]
+    assert discounted_returns(0.0, 2, 0.9) == [0.0, 0.0]
+    assert discounted_returns(1.0, 2, 1.0) == [1.0, 1.0]
+
+
+def test_step_advantages_compare_turns_from_the_same_state():
+    # anchor 0: returns 0.5, 0.25, 0.5 -> mean 5/12, sample std sqrt((1/144 + 4/144 + 1/144) * 3 / 2)...
+    returns = torch.tensor([0.5, 0.25, 0.5, 1.0, 1.0, 0.3], dtype=torch.float64)
+    anchors = torch.tensor([0, 0, 0, 1, 1, 2])
+    centred = torch.tensor([1 / 12, -2 / 12, 1 / 12], dtype=torch.float64)
+    std = (centred.pow(2).sum() / 2).sqrt()
+    adv = step_advantages(returns, anchors)
+    torch.testing.assert_close(adv[:3], centred / (std + 1e-6))
+    assert (adv[3:] == 0).all()  # all-equal anchor group, and a state no other turn visited
+
+
+def test_per_token_advantages_equal_broadcast_ones_when_constant():
+    torch.manual_seed(0)
+    logp = torch.randn(2, 5)
+    mask = torch.tensor([[0, 1, 1, 0, 1], [1, 1, 0, 0, 0]], dtype=torch.float32)
+    per_seq = torch.tensor([0.3, -1.2])
+    a, _ = policy_loss(logp, logp.detach(), per_seq, mask)
+    b, _ = policy_loss(logp, logp.detach(), per_seq.unsqueeze(-1).expand(2, 5), mask)
+    torch.testing.assert_close(a, b)
+    # and each token follows its own advantage: raising one token's raises only its weight
+    lp = logp.clone().requires_grad_(True)
+    per_token = torch.zeros(2, 5)
+    per_token[0, 2] = 1.0
+    loss, _ = policy_loss(lp, lp.detach(), per_token, mask)
+    loss.backward()
+    assert lp.grad[0, 2] < 0 and (lp.grad.flatten()[[i for i in range(10) if i != 2]] == 0).all()
 
 
 def test_stats_without_dist():

@@ -4,7 +4,7 @@ import json
 
 import torch
 from peft import LoraConfig, get_peft_model
-from transformers import AutoProcessor, Qwen3VLForConditionalGeneration
+from transformers import AutoConfig, AutoProcessor, Qwen3VLForConditionalGeneration
 
 import env
 import rollout
@@ -19,11 +19,43 @@ def test_directory_is_an_ordinary_hf_model(tiny_model):
 
 
 def test_build_is_deterministic(tmp_path, tiny_model):
-    from make_tiny_model import build
+    from make_tiny_model import build, fingerprint
 
-    other = build(tmp_path / "again", seed=0)
-    assert (other / "model.safetensors").read_bytes() == (tiny_model / "model.safetensors").read_bytes()
-    assert (other / "tokenizer.json").read_text() == (tiny_model / "tokenizer.json").read_text()
+    # a short vision pretraining keeps this fast; the recipe is the same
+    one, two = (build(tmp_path / name, seed=0, vision_steps=3, progress=False) for name in ("one", "two"))
+    assert (one / "model.safetensors").read_bytes() == (two / "model.safetensors").read_bytes()
+    assert (one / "tokenizer.json").read_text() == (tiny_model / "tokenizer.json").read_text()
+    # a different recipe is a different model, which ensure_tiny_model must not mistake for the default
+    assert json.loads((one / "BUILD_INFO.json").read_text())["fingerprint"] == fingerprint(0, 3) != fingerprint(0)
+
+
+def test_cell_targets_describe_the_picture():
+    from make_tiny_model import PERCEPTION_TARGETS, cell_targets
+
+    maze = env.generate_maze(7, seed=3)
+    agent = next(c for c in [(3, 3), (1, 3), (3, 1)] if maze.is_open(c))
+    targets = cell_targets(maze, agent)
+    assert targets.shape == (49, len(PERCEPTION_TARGETS))
+    column = {name: targets[:, i] for i, name in enumerate(PERCEPTION_TARGETS)}
+    row_major = [(r, c) for r in range(7) for c in range(7)]
+    assert [bool(w) for w in column["wall"]] == [not maze.is_open(cell) for cell in row_major]
+    assert row_major[int(column["agent"].argmax())] == agent and column["agent"].sum() == 1
+    assert row_major[int(column["goal"].argmax())] == maze.goal and column["goal"].sum() == 1
+    r, c = agent
+    for d, name in enumerate(["right open", "up open", "left open", "down open"]):
+        dr, dc = env.MOVE_DELTAS[d]
+        assert bool(column[name][r * 7 + c]) == maze.is_open((r + dr, c + dc))
+    assert column["up open"][0] == 0  # beyond the border counts as closed
+
+
+def test_pretrained_vision_tower_sees_the_agents_neighbours(tiny_model):
+    """The build measured its vision tower on held-out mazes of every size: the agent's four
+    neighbours are read right (SFT alone never learned this: its accuracy stayed at chance)."""
+    info = json.loads((tiny_model / "BUILD_INFO.json").read_text())
+    for difficulty in ("small", "easy", "hard"):
+        accuracy = info["vision_heldout_accuracy"][difficulty]
+        assert accuracy["wall"] > 0.99 and accuracy["agent"] > 0.99 and accuracy["goal"] > 0.99
+        assert accuracy["agent's neighbours"] > 0.95, (difficulty, accuracy)
 
 
 def test_actions_are_single_tokens(tiny_model):
@@ -61,10 +93,12 @@ def _first_turn(tiny_model):
 
 def test_untrained_vision_tower_tells_walls_from_paths(tiny_model):
     """Regression: with mean-0.5 pixel normalisation, uniform gray (wall) and white (path) patches
-    embedded to parallel vectors, the LayerNorms made them identical, and no amount of SFT taught
-    the model to see walls. Every kind of cell must start out distinguishable."""
+    embedded to parallel vectors, the LayerNorms made them identical, and no amount of training
+    taught the model to see walls. Every kind of cell must start out distinguishable, before
+    the vision pretraining."""
     processor = AutoProcessor.from_pretrained(tiny_model)
-    model = Qwen3VLForConditionalGeneration.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    torch.manual_seed(0)
+    model = Qwen3VLForConditionalGeneration._from_config(AutoConfig.from_pretrained(tiny_model)).eval()
     maze = env.generate_maze(7, seed=3)
     agent = next(c for c in [(3, 3), (1, 3), (3, 1)] if maze.is_open(c) and c != maze.goal)
     pixels = processor.image_processor(images=[env.render(maze, agent)], return_tensors="pt")

@@ -150,10 +150,13 @@ def test_world_of_one_runs_logs_evaluates_checkpoints_exports(tmp_path):
 
 def test_two_processes(tmp_path):
     out = tmp_path / "run"
-    run_train(out, "--steps", "2", "--eval-interval", "2", "--ckpt-interval", "2", nproc=2)
+    # with GiGPO's step-level advantages, which stay on each rank (a group never spans ranks)
+    run_train(out, "--steps", "2", "--eval-interval", "2", "--ckpt-interval", "2", "--step-adv-weight", "1",
+              nproc=2)
     metrics = read_metrics(out)
     assert [m["step"] for m in metrics] == [1, 2]
     assert metrics[-1]["num_groups"] == 2  # both ranks' groups in the global statistics
+    assert all("step_adv_nonzero_frac" in m for m in metrics)
     assert all(m["mismatch_abs_mean"] < 1e-3 for m in metrics)
     assert json.loads((out / "eval" / "step_2.json").read_text())["total"] == 8
     assert (out / "checkpoints" / "step_2" / "meta.json").exists()
@@ -200,6 +203,57 @@ def test_bad_config_is_a_clear_error():
         train.Config(difficulty="impossible").validate(world_size=1)
     cfg = train.parse_config(["--steps", "7", "--scale-adv-by-std", "false", "--lr", "0.5"])
     assert (cfg.steps, cfg.scale_adv_by_std, cfg.lr) == (7, False, 0.5)
+
+
+# ----------------------------------------------------------------------------- per-turn advantages
+
+def _fake_episode(group_id, reward, states, size=7):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(group_id=group_id, reward=reward, num_turns=len(states), states=states,
+                           maze=SimpleNamespace(size=size))
+
+
+def test_turn_advantages_give_each_reply_its_turns_value():
+    import torch
+
+    import rollout
+
+    # group 0: two episodes that both start on (1, 1). The first solves the maze in 2 turns, the
+    # second bumps a wall on its first turn (stays on (1, 1)) and solves it in 3.
+    episodes = [_fake_episode(0, 1.0, [(1, 1), (1, 2)]), _fake_episode(0, 1.0, [(1, 1), (1, 1), (1, 2)])]
+    cfg = train.Config(step_adv_weight=0.5, gamma=0.5, scale_adv_by_std=False)
+    # returns: episode 0: [0.5, 1]; episode 1: [0.25, 0.5, 1]. Anchors: (1, 1) holds 0.5, 0.25, 0.5
+    # (mean 5/12), (1, 2) holds 1 and 1 (all equal: 0). Episode advantages (both solved): 0.
+    step = {(0, 0): 0.5 - 5 / 12, (1, 0): 0.25 - 5 / 12, (1, 1): 0.5 - 5 / 12}
+    # episode 0 as one full-history sequence: prompt, reply, prompt, reply (the mask shows them)
+    full = rollout.Sequence([9] * 10, [0, 0, 1, 1, 0, 0, 0, 1, 1, 1], [0.0] * 10, [])
+    # episode 1 with one sequence per turn
+    per_turn = [rollout.Sequence([9] * 4, [0, 0, 1, 1], [0.0] * 4, []) for _ in range(3)]
+    rows, stats = train.turn_advantages(cfg, episodes, torch.tensor([0.0, 0.0]), [full, *per_turn], [0, 1, 1, 1])
+    w = cfg.step_adv_weight
+    expected_full = [0, 1, 1, 0, 0, 0, 0, 0, 0]  # targets are shifted: token j sits at position j - 1
+    expected_full = [w * step[(0, 0)] if x else 0.0 for x in expected_full]  # turn 1's anchor is all-equal
+    torch.testing.assert_close(rows[0], torch.tensor(expected_full), atol=1e-6, rtol=0)
+    for turn, row in enumerate(rows[1:]):
+        value = w * step.get((1, turn), 0.0)
+        torch.testing.assert_close(row, torch.tensor([0.0, value, value]), atol=1e-6, rtol=0)
+    assert stats["step_adv_nonzero_frac"] == 3 / 5
+    # the bump (episode 1, turn 0) is worse than moving on from the same cell
+    assert rows[1][1] < 0 < rows[0][1]
+
+
+def test_turn_advantages_add_the_episode_advantage():
+    import torch
+
+    import rollout
+
+    episodes = [_fake_episode(3, 1.0, [(1, 1)]), _fake_episode(3, 0.0, [(5, 5)])]  # no shared state
+    cfg = train.Config(step_adv_weight=1.0)
+    seqs = [rollout.Sequence([9] * 3, [0, 1, 1], [0.0] * 3, []) for _ in episodes]
+    rows, stats = train.turn_advantages(cfg, episodes, torch.tensor([0.7, -0.7]), seqs, [0, 1])
+    torch.testing.assert_close(torch.stack(rows), torch.tensor([[0.7, 0.7], [-0.7, -0.7]]))
+    assert stats["step_adv_nonzero_frac"] == 0.0
 
 
 # ----------------------------------------------------------------------------- the update's shortcuts
