@@ -17,8 +17,12 @@ do LoRA SFT instead and merge it. The output is an ordinary HF model directory t
 `train.py --model` starts from; GRPO then trains a LoRA on top of it.
 
 Demonstrations are made robust with noise injection (DART, Laskey et al. 2017): with probability
-`--noise` a random move is played instead of the optimal one, and that turn is not trained on,
-so the model sees off-path states and learns the way back from them.
+`--noise` the demonstrator leaves the optimal path for a detour of 1 to `--max-detour` wrong moves
+(never straight back, so it goes deeper; a move into a wall is a bump), and those turns are not
+trained on. The model sees off-path states and learns the way back from them; detours longer
+than one move put it in dead ends, where the only way on is to turn around. (Single random moves
+were not enough: the SFT policy then kept walking into the end wall of a dead end it had entered,
+its probability of turning back ~0.01, because the demonstrations never show it.)
 """
 
 import argparse
@@ -45,7 +49,7 @@ ROOT = Path(__file__).resolve().parent
 
 
 def demonstration(maze, chat: rollout.ChatFormat, reply_ids: dict, rng: random.Random, *, max_turns: int,
-                  max_images: int | None, cell_px: int, noise: float) -> list:
+                  max_images: int | None, cell_px: int, noise: float, max_detour: int = 1) -> list:
     """Play one maze with the BFS policy (plus noise); return its training sequences."""
     game = env.MazeEnv(maze, max_turns=max_turns, cell_px=cell_px)
     obs = game.reset()
@@ -54,10 +58,19 @@ def demonstration(maze, chat: rollout.ChatFormat, reply_ids: dict, rng: random.R
     episode.user_turns_text_only.append(chat.first_turn(obs.text, with_image=False))
     episode.images.append(obs.image)
     trained = []  # per turn: is this reply a demonstration (True) or noise (False)?
+    detour, last_move = 0, None  # wrong moves still to play; the previous move (0-3, 4 = stop)
     while not game.done:
         best = env.solve(maze, start=game.agent)[0]
-        noisy = best != env.STOP_ACTION and rng.random() < noise
-        action = rng.choice(env.ACTION_STRINGS[:4]) if noisy else best
+        if not detour and best != env.STOP_ACTION and rng.random() < noise:
+            detour = rng.randint(1, max_detour)  # this many wrong moves in a row, starting now
+        noisy = bool(detour) and best != env.STOP_ACTION
+        if noisy:
+            straight_back = env.ACTION_STRINGS[(last_move + 2) % 4] if last_move is not None else None
+            action = rng.choice([a for a in env.ACTION_STRINGS[:4] if a not in (best, straight_back)])
+            detour -= 1
+        else:
+            action, detour = best, 0
+        last_move = env.ACTION_STRINGS.index(action)
         ids, images = episode.next_prompt(max_images)
         episode.reply_ids.append(reply_ids[action])
         trained.append(not noisy)
@@ -127,7 +140,8 @@ def main():
                         help="sequences per optimizer step (one per maze with full history, one per turn otherwise)")
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--warmup", type=int, default=30, help="linear warm-up steps, then cosine decay to 0")
-    parser.add_argument("--noise", type=float, default=0.2, help="chance of a random demonstration move")
+    parser.add_argument("--noise", type=float, default=0.2, help="chance, per on-path turn, of starting a detour")
+    parser.add_argument("--max-detour", type=int, default=3, help="longest detour, in wrong moves")
     parser.add_argument("--max-turns", type=int, default=15)
     parser.add_argument("--max-images", type=int, default=0, help="0: full image history (the walkthrough's format)")
     parser.add_argument("--cell-px", type=int, default=env.CELL_PX_TINY)
@@ -171,7 +185,8 @@ def main():
     for step in bar:
         while len(pool) < args.batch_size:
             pool += demonstration(stream.next(), chat, reply_ids, rng, max_turns=args.max_turns,
-                                  max_images=args.max_images or None, cell_px=args.cell_px, noise=args.noise)
+                                  max_images=args.max_images or None, cell_px=args.cell_px, noise=args.noise,
+                                  max_detour=args.max_detour)
         rng.shuffle(pool)
         sequences, pool = pool[:args.batch_size], pool[args.batch_size:]
         batch = Batch(sequences, processor)
@@ -200,7 +215,8 @@ def main():
     held_out = []
     for maze in env.eval_mazes(args.difficulty, 32):
         held_out += demonstration(maze, chat, reply_ids, rng, max_turns=args.max_turns,
-                                  max_images=args.max_images or None, cell_px=args.cell_px, noise=args.noise)
+                                  max_images=args.max_images or None, cell_px=args.cell_px, noise=args.noise,
+                                  max_detour=args.max_detour)
     check = {"heldout_action_accuracy": action_accuracy(model, processor, held_out, answer_id),
              "heldout_action_accuracy_shuffled_images": action_accuracy(model, processor, held_out, answer_id,
                                                                         shuffle_images=random.Random(0))}

@@ -59,7 +59,7 @@ class Config:
     steps: int = 20
     prompts_per_step: int = 8  # mazes per step over all ranks; each is played group_size times
     group_size: int = 8
-    temperature: float = 1.0
+    temperature: float = 1.0  # rollout sampling; the loss uses the same tempered policy
     scale_adv_by_std: bool = True  # False: Dr. GRPO
     clip_eps_low: float = 0.2
     clip_eps_high: float = 0.2  # > clip_eps_low: DAPO's clip-higher
@@ -109,6 +109,8 @@ class Config:
         episodes_per_rank = self.prompts_per_step // world_size * self.group_size
         if episodes_per_rank % self.num_mini_batches:
             problems.append(f"episodes per rank ({episodes_per_rank}) must divide into num_mini_batches")
+        if not self.temperature > 0:
+            problems.append("temperature must be > 0 (rollouts sample; evaluation is greedy anyway)")
         if self.step_adv_weight < 0 or not 0 < self.gamma <= 1:
             problems.append("step_adv_weight must be >= 0 and gamma in (0, 1]")
         if self.loss_aggregation not in ("token-mean", "seq-mean"):
@@ -382,9 +384,10 @@ class Batch:
         return inputs, mask[:, 1:].to(device), rollout_lp[:, 1:].to(device)
 
 
-def sequence_logprobs(model, inputs: dict) -> torch.Tensor:
+def sequence_logprobs(model, inputs: dict, temperature: float = 1.0) -> torch.Tensor:
+    """Log-probs of each next token under the policy the engine sampled from: pi(. | T)."""
     logits = model(**inputs).logits
-    return grpo.token_logprobs(logits[:, :-1], inputs["input_ids"][:, 1:])
+    return grpo.token_logprobs(logits[:, :-1], inputs["input_ids"][:, 1:], temperature)
 
 
 def pad_rows(rows: list, device) -> torch.Tensor:
@@ -444,11 +447,11 @@ def old_logprobs(cfg, model, batch: Batch, device) -> tuple[dict, dict, dict]:
         for idx in synced_micro_batches(list(range(len(batch.sequences))), cfg.micro_batch_size):
             filler = idx is None
             inputs, mask, rollout_lp = batch.micro([0] if filler else idx, device)
-            lp = sequence_logprobs(model, inputs)
+            lp = sequence_logprobs(model, inputs, cfg.temperature)
             ref_lp = None
             if cfg.kl_coef > 0:
                 with model.disable_adapter():  # the reference policy is the base model
-                    ref_lp = sequence_logprobs(model, inputs)
+                    ref_lp = sequence_logprobs(model, inputs, cfg.temperature)
             if filler:
                 continue
             for row, i in enumerate(idx):  # unpadded rows: the update may group them differently
@@ -537,7 +540,7 @@ def grpo_update(cfg, model, optimizer, scheduler, params, batch: Batch, seq_adva
             filler = idx is None
             rows = [0] if filler else idx  # a filler runs any one sequence, with weight 0
             inputs, mask, rollout_lp = batch.micro(rows, device)
-            lp = sequence_logprobs(model, inputs)
+            lp = sequence_logprobs(model, inputs, cfg.temperature)
             old_lp = lp.detach() if old is None else pad_rows([old[i] for i in rows], device)
             if isinstance(seq_advantages, list):  # per-token rows
                 advantages = pad_rows([seq_advantages[i] for i in rows], device)

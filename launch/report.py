@@ -1,6 +1,7 @@
-"""Turn a run directory into pictures and a table: everything comes from the logged files.
+"""Turn run directories into pictures and tables: everything comes from the logged files.
 
-    python launch/report.py runs/default
+    python launch/report.py runs/default                    # one run
+    python launch/report.py runs/seed0 runs/seed1 runs/seed2   # several seeds: a table with mean and spread
 
 Writes <run>/solve_rate.png (held-out solve rate per eval step, training reward per step) and
 <run>/final_episode.gif (the final policy's greedy play of one evaluation maze, replayed through
@@ -63,21 +64,78 @@ def replay_gif(run: Path, result: dict, cell_px: int, max_turns: int) -> Path:
     return path
 
 
+def time_to(metrics: list[dict], evals: list[dict], rate: float):
+    """(step, seconds of GRPO) at the first evaluation reaching `rate`, or (None, None)."""
+    hit = next((r for r in evals if r["solve_rate"] >= rate), None)
+    if hit is None:
+        return None, None
+    return hit["step"], sum(m["step_s"] for m in metrics if m["step"] <= hit["step"])
+
+
+def run_row(run: Path, target: float) -> dict:
+    evals = load_evals(run)
+    metrics_file = run / "metrics.jsonl"
+    metrics = [json.loads(line) for line in metrics_file.read_text().splitlines()] if metrics_file.exists() else []
+    config = json.loads((run / "config.json").read_text())
+    best = max(evals, key=lambda r: r["solve_rate"])
+    step, seconds = time_to(metrics, evals, target)
+    mean = lambda k: sum(m.get(k, 0.0) for m in metrics) / max(len(metrics), 1)  # noqa: E731
+    return {"run": str(run), "seed": config["seed"], "baseline": evals[0]["solve_rate"], "best": best["solve_rate"],
+            "best_step": best["step"], "final": evals[-1]["solve_rate"], "final_step": evals[-1]["step"],
+            "total": evals[0]["total"], "steps_to_target": step, "seconds_to_target": seconds,
+            **{k: mean(k) for k in ("rollout_s", "logprobs_s", "update_s", "sync_s", "eval_s", "checkpoint_s",
+                                   "step_s")}}
+
+
+def seeds_table(rows: list[dict], target: float) -> str:
+    import statistics
+
+    def pct(x):
+        return f"{100 * x:.1f}%"
+
+    def spread(key):
+        values = [r[key] for r in rows]
+        return f"{pct(statistics.mean(values))} ± {pct(statistics.stdev(values)) if len(values) > 1 else '-'}"
+
+    lines = [f"| run | seed | baseline | best (step) | final (step) | steps to {pct(target)} | GRPO time to {pct(target)} |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        to = f"{r['steps_to_target']}" if r["steps_to_target"] is not None else "not reached"
+        secs = f"{r['seconds_to_target'] / 60:.1f} min" if r["seconds_to_target"] is not None else "-"
+        lines.append(f"| {r['run']} | {r['seed']} | {pct(r['baseline'])} | {pct(r['best'])} ({r['best_step']}) | "
+                     f"{pct(r['final'])} ({r['final_step']}) | {to} | {secs} |")
+    reached = sum(r["steps_to_target"] is not None for r in rows)
+    lines.append(f"| mean ± std | | {spread('baseline')} | {spread('best')} | {spread('final')} | "
+                 f"{reached}/{len(rows)} reached | |")
+    lines += ["", "| mean seconds per step | rollout | logprobs | update | sync | eval | checkpoint | total |",
+              "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['run']} | " + " | ".join(f"{r[k]:.2f}" for k in (
+            "rollout_s", "logprobs_s", "update_s", "sync_s", "eval_s", "checkpoint_s", "step_s")) + " |")
+    return "\n".join(lines)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("run", type=Path)
+    parser.add_argument("runs", type=Path, nargs="+")
+    parser.add_argument("--target", type=float, default=0.9, help="solve rate for the time-to-target columns")
     args = parser.parse_args()
-    evals = load_evals(args.run)
-    if not evals:
-        raise SystemExit(f"{args.run} has no eval/step_*.json yet")
-    config = json.loads((args.run / "config.json").read_text())
-    print(f"curve: {plot_curves(args.run, evals)}")
-    print(f"episode: {replay_gif(args.run, evals[-1], config['cell_px'], config['max_turns'])}")
-    best = max(evals, key=lambda r: r["solve_rate"])
-    print(f"\n| | step | solved |\n|---|---|---|")
-    print(f"| before GRPO | {evals[0]['step']} | {evals[0]['solved']}/{evals[0]['total']} |")
-    print(f"| best | {best['step']} | {best['solved']}/{best['total']} |")
-    print(f"| final | {evals[-1]['step']} | {evals[-1]['solved']}/{evals[-1]['total']} |")
+    for run in args.runs:
+        evals = load_evals(run)
+        if not evals:
+            raise SystemExit(f"{run} has no eval/step_*.json yet")
+        config = json.loads((run / "config.json").read_text())
+        print(f"curve: {plot_curves(run, evals)}")
+        print(f"episode: {replay_gif(run, evals[-1], config['cell_px'], config['max_turns'])}")
+    if len(args.runs) == 1:
+        evals = load_evals(args.runs[0])
+        best = max(evals, key=lambda r: r["solve_rate"])
+        print(f"\n| | step | solved |\n|---|---|---|")
+        print(f"| before GRPO | {evals[0]['step']} | {evals[0]['solved']}/{evals[0]['total']} |")
+        print(f"| best | {best['step']} | {best['solved']}/{best['total']} |")
+        print(f"| final | {evals[-1]['step']} | {evals[-1]['solved']}/{evals[-1]['total']} |")
+    print()
+    print(seeds_table([run_row(run, args.target) for run in args.runs], args.target))
 
 
 if __name__ == "__main__":

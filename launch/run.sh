@@ -1,17 +1,28 @@
 #!/usr/bin/env bash
 # The main job, end to end on one machine:
-#   set up .venv -> build the tiny Qwen3-VL -> SFT warm start (sft.py) -> GRPO (train.py)
-#   -> final eval -> report (solve-rate curve PNG, a replayed episode GIF, before/after table).
-# Extra arguments go to train.py. OUT (default runs/main) holds everything; the SFT model is
-# reused if it is already there, and train.py resumes from its latest checkpoint.
+#   set up .venv -> build the tiny Qwen3-VL (its vision tower pretrained to see maze cells)
+#   -> SFT warm start (sft.py) -> GRPO with step-level advantages (train.py) -> final eval
+#   -> report (solve-rate curve PNG, a replayed episode GIF, before/after table).
+#
+#   bash launch/run.sh                                  # 7x7 mazes, seed 0, into runs/main
+#   OUT=runs/easy DIFFICULTY=easy SEED=1 bash launch/run.sh --steps 200
+#
+# Extra arguments go to train.py (they override the defaults below). OUT holds everything; the
+# SFT model is reused if it is already there, and train.py resumes from its latest checkpoint, so
+# a killed job continues where it stopped. SFT_STEPS sets the warm start's length.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash launch/setup.sh
+start=$(date +%s)
+bash launch/setup.sh  # installs on a fresh machine, then builds the tiny model (~2-3 min on 2 cores)
 out="${OUT:-runs/main}"
+difficulty="${DIFFICULTY:-small}"
+seed="${SEED:-0}"
 if [ ! -f "$out/sft/model/config.json" ]; then
-  .venv/bin/python sft.py --out "$out/sft" --difficulty small ${SFT_ARGS:---steps 2000}
+  .venv/bin/python sft.py --out "$out/sft" --difficulty "$difficulty" --seed "$seed" \
+    --steps "${SFT_STEPS:-800}" --noise 0.3
 fi
-.venv/bin/python train.py --model "$out/sft/model" --out-dir "$out/grpo" --difficulty small \
-  --lora-rank 8 --steps 10 --prompts-per-step 4 --group-size 8 --max-new-tokens 8 \
-  --lr 1e-3 --micro-batch-size 16 --eval-interval 5 --ckpt-interval 5 --export-interval 5 "$@"
+.venv/bin/python train.py --model "$out/sft/model" --out-dir "$out/grpo" --difficulty "$difficulty" --seed "$seed" \
+  --lora-rank 8 --steps 120 --prompts-per-step 4 --group-size 8 --max-new-tokens 8 --lr 1e-3 \
+  --step-adv-weight 1 --micro-batch-size 16 --eval-interval 20 --ckpt-interval 20 --export-interval 20 "$@"
 .venv/bin/python launch/report.py "$out/grpo"
+echo "[run] main job finished in $(( ($(date +%s) - start) / 60 )) min (setup and model build included)"

@@ -57,6 +57,24 @@ def test_noisy_turns_are_context_not_targets(tiny_model):
         assert action == env.solve(maze, start=agent)[0]
 
 
+def test_detours_leave_the_path_for_several_moves(tiny_model):
+    _, chat, replies = _setup(tiny_model)
+    answer_id = chat._ids("<answer>")[0]
+    longest = 0
+    for seed in range(5):
+        maze = env.generate_maze(7, seed=1_000_100 + seed)
+        (seq,) = sft.demonstration(maze, chat, replies, random.Random(seed), max_turns=15, max_images=None,
+                                   cell_px=32, noise=0.5, max_detour=3)
+        # one entry per reply: was it trained on? (the token after <answer> is the action)
+        trained = [seq.response_mask[i + 1] for i, t in enumerate(seq.token_ids) if t == answer_id]
+        run = 0
+        for keep in trained:
+            run = 0 if keep else run + 1
+            longest = max(longest, run)
+        assert any(trained) and not all(trained)
+    assert longest >= 2  # detours of several wrong moves in a row, not single random moves
+
+
 def test_sft_then_grpo_smoke(tmp_path, tiny_model):
     """A few SFT steps write an ordinary HF model that train.py starts GRPO from."""
     sft_out = tmp_path / "sft"

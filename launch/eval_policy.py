@@ -1,0 +1,75 @@
+"""Evaluate a policy (a model, optionally with a LoRA adapter) on the held-out mazes of any size.
+
+    python launch/eval_policy.py --model runs/main/sft/model --adapter runs/main/grpo/adapters/step_60 \
+        --difficulty easy --out runs/main/generalisation_easy.json
+
+Greedy play of the fixed evaluation mazes through the same chat path as train.py's evaluation
+and `serve.py eval` (rollout.play_chat_episodes), here with an in-process vLLM engine. Used for
+the generalisation check: a policy trained on one maze size, played on another.
+"""
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import rollout  # noqa: E402  (first: sets vLLM's environment)
+
+import env  # noqa: E402
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True, help="HF model directory or id")
+    parser.add_argument("--adapter", default="", help="PEFT LoRA directory; empty: the model alone")
+    parser.add_argument("--difficulty", default="small", choices=list(env.DIFFICULTY_SIZES))
+    parser.add_argument("--n", type=int, default=64, help="evaluation mazes (seeds 0..n-1)")
+    parser.add_argument("--max-turns", type=int, default=15)
+    parser.add_argument("--max-new-tokens", type=int, default=8)
+    parser.add_argument("--max-images", type=int, default=0, help="0: full image history")
+    parser.add_argument("--out", default="", help="write the per-maze results here (JSON)")
+    args = parser.parse_args()
+
+    rank = 8
+    if args.adapter:
+        config_file = Path(args.adapter) / "adapter_config.json"
+        if not config_file.exists():
+            raise SystemExit(f"{args.adapter} is not a PEFT adapter directory (no adapter_config.json)")
+        rank = json.loads(config_file.read_text())["r"]
+    engine = rollout.build_engine(args.model, max_model_len=4096, max_lora_rank=rank, seed=0,
+                                  max_images=args.max_turns + 1)
+    lora_request = None
+    if args.adapter:
+        from vllm.lora.request import LoRARequest
+
+        lora_request = LoRARequest("policy", 1, str(Path(args.adapter).resolve()))
+    from transformers import AutoProcessor, GenerationConfig
+
+    eos = GenerationConfig.from_pretrained(args.model).eos_token_id
+    chat = rollout.ChatFormat(AutoProcessor.from_pretrained(args.model), [eos] if isinstance(eos, int) else list(eos))
+    replies = rollout.engine_replies(engine, lora_request, args.max_new_tokens, chat.banned_token_ids)
+    episodes = rollout.play_chat_episodes(
+        env.eval_mazes(args.difficulty, args.n), replies,
+        max_turns=args.max_turns, max_images=args.max_images or None, desc=f"eval {args.difficulty}")
+    solved = sum(e.solved for e in episodes)
+    result = {"model": args.model, "adapter": args.adapter, "difficulty": args.difficulty, "solved": solved,
+              "total": len(episodes), "solve_rate": solved / len(episodes),
+              "mazes": [{"maze_index": i, "seed": e.maze.seed, "solved": e.solved, "turns": e.num_turns,
+                         "end_reason": e.end_reason, "replies": e.replies} for i, e in enumerate(episodes)]}
+    print(f"{args.difficulty}: solved {solved}/{len(episodes)}")
+    if args.out:
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=out.name + ".tmp-")
+        with os.fdopen(fd, "w") as f:
+            json.dump(result, f, indent=1)
+        os.replace(tmp, out)
+
+
+if __name__ == "__main__":
+    main()
