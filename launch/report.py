@@ -136,6 +136,14 @@ def main():
         print(f"| final | {evals[-1]['step']} | {evals[-1]['solved']}/{evals[-1]['total']} |")
     print()
     print(seeds_table([run_row(run, args.target) for run in args.runs], args.target))
+    # written by launch/seeds.sh next to each run: the policies played on another maze size
+    other = [(run, json.loads(p.read_text())) for run in args.runs
+             for p in sorted((run.parent / "generalisation").glob("*.json"))]
+    if other:
+        print("\n| run | policy | played on | solved |\n|---|---|---|---|")
+        for run, r in other:
+            policy = "SFT + GRPO" if r["adapter"] else "SFT"
+            print(f"| {run} | {policy} | {r['difficulty']} | {r['solved']}/{r['total']} |")
 
 
 if __name__ == "__main__":

@@ -17,12 +17,14 @@ bash launch/setup.sh  # installs on a fresh machine, then builds the tiny model 
 out="${OUT:-runs/main}"
 difficulty="${DIFFICULTY:-small}"
 seed="${SEED:-0}"
+# every core for this one process (vLLM's CPU worker would otherwise pin torch to one thread)
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(nproc)}"
 if [ ! -f "$out/sft/model/config.json" ]; then
   .venv/bin/python sft.py --out "$out/sft" --difficulty "$difficulty" --seed "$seed" \
     --steps "${SFT_STEPS:-800}" --noise 0.3
 fi
 .venv/bin/python train.py --model "$out/sft/model" --out-dir "$out/grpo" --difficulty "$difficulty" --seed "$seed" \
-  --lora-rank 8 --steps 120 --prompts-per-step 4 --group-size 8 --max-new-tokens 8 --lr 1e-3 \
-  --step-adv-weight 1 --micro-batch-size 16 --eval-interval 20 --ckpt-interval 20 --export-interval 20 "$@"
+  --lora-rank 8 --steps 150 --prompts-per-step 4 --group-size 8 --max-new-tokens 8 --lr 1e-3 \
+  --step-adv-weight 1 --micro-batch-size 16 --eval-interval 10 --ckpt-interval 50 --export-interval 50 "$@"
 .venv/bin/python launch/report.py "$out/grpo"
 echo "[run] main job finished in $(( ($(date +%s) - start) / 60 )) min (setup and model build included)"

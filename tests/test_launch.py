@@ -15,6 +15,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -325,3 +326,41 @@ def test_kubernetes_manifests(tmp_path):
         assert cmd[cmd.index("--nnodes") + 1] == "2" and cmd[cmd.index("--nproc-per-node") + 1] == "8"
         assert cmd[cmd.index("--rdzv-endpoint") + 1] == "grpo-maze-0.grpo-maze:29400"
         assert cmd[cmd.index("--rdzv-conf") + 1] == f"is_host={int(index == 0)}"
+
+
+# ----------------------------------------------------------------------------- the report
+
+def _fake_run(run: Path, seed: int, solved_by_step: dict, step_s: float):
+    """A run directory as train.py leaves it: config, metrics lines, evaluation files."""
+    (run / "eval").mkdir(parents=True)
+    (run / "config.json").write_text(json.dumps({"seed": seed, "cell_px": 32, "max_turns": 15}))
+    maze = env.eval_mazes("small", 1)[0]
+    for step, solved in solved_by_step.items():
+        rows = [{"maze_index": 0, "solved": True, "replies": [f"<answer>{a}</answer>" for a in env.solve(maze)]}]
+        (run / "eval" / f"step_{step}.json").write_text(json.dumps(
+            {"step": step, "difficulty": "small", "solved": solved, "total": 64, "solve_rate": solved / 64, "mazes": rows}))
+    last = max(solved_by_step)
+    (run / "metrics.jsonl").write_text("".join(json.dumps(
+        {"step": s, "step_s": step_s, "rollout_s": 1.0, "update_s": 2.0, "solve_rate": 0.5, "reward_mean": 0.5}) + "\n"
+        for s in range(1, last + 1)))
+
+
+def test_report_tables_come_from_the_logged_files(tmp_path):
+    a, b = tmp_path / "a" / "grpo", tmp_path / "b" / "grpo"
+    _fake_run(a, 0, {0: 32, 10: 50, 20: 60}, step_s=3.0)  # 93.75% at step 20
+    _fake_run(b, 1, {0: 28, 10: 40, 20: 44}, step_s=4.0)  # never reaches 90%
+    (tmp_path / "a" / "generalisation").mkdir()
+    (tmp_path / "a" / "generalisation" / "easy-grpo.json").write_text(json.dumps(
+        {"adapter": "x", "difficulty": "easy", "solved": 7, "total": 64}))
+    proc = subprocess.run([sys.executable, "launch/report.py", str(a), str(b)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    row_a = next(line for line in lines if line.startswith(f"| {a} | 0 |"))
+    assert "| 50.0% | 93.8% (20) | 93.8% (20) | 20 | 1.0 min |" in row_a  # 20 steps x 3 s
+    row_b = next(line for line in lines if line.startswith(f"| {b} | 1 |"))
+    assert "| 43.8% | 68.8% (20) | 68.8% (20) | not reached | - |" in row_b
+    mean = next(line for line in lines if line.startswith("| mean ± std |"))
+    assert "46.9% ± 4.4%" in mean and "1/2 reached" in mean
+    assert f"| {a} | SFT + GRPO | easy | 7/64 |" in lines
+    assert (a / "solve_rate.png").exists() and (a / "final_episode.gif").exists()

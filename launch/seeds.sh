@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# The seed experiment: the main job at one maze size for several seeds, each final policy (and its
+# SFT warm start) also played on the other size (generalisation), then one table over the seeds.
+#
+#   bash launch/seeds.sh                                         # 7x7, seeds 0 1 2 -> runs/small-seed<N>
+#   DIFFICULTY=easy SFT_STEPS=1500 GRPO_STEPS=300 bash launch/seeds.sh   # VisGym's easy (9x9), longer
+#
+# Each seed is a whole main job (launch/run.sh), so a killed experiment resumes where it stopped.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+difficulty="${DIFFICULTY:-small}"
+other="${OTHER:-$([ "$difficulty" = small ] && echo easy || echo small)}"
+runs=()
+for seed in ${SEEDS:-0 1 2}; do
+  out="runs/$difficulty-seed$seed"
+  OUT="$out" DIFFICULTY="$difficulty" SEED="$seed" bash launch/run.sh ${GRPO_STEPS:+--steps "$GRPO_STEPS"}
+  final=$(ls -d "$out"/grpo/adapters/step_* | sort -t_ -k2 -n | tail -1)
+  for policy in sft grpo; do
+    adapter=$([ $policy = grpo ] && echo "--adapter $final" || true)
+    [ -f "$out/generalisation/$other-$policy.json" ] || .venv/bin/python launch/eval_policy.py \
+      --model "$out/sft/model" $adapter --difficulty "$other" --out "$out/generalisation/$other-$policy.json"
+  done
+  runs+=("$out/grpo")
+done
+.venv/bin/python launch/report.py "${runs[@]}"
