@@ -21,10 +21,10 @@ seed="${SEED:-0}"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(nproc)}"
 if [ ! -f "$out/sft/model/config.json" ]; then
   .venv/bin/python sft.py --out "$out/sft" --difficulty "$difficulty" --seed "$seed" \
-    --steps "${SFT_STEPS:-800}" --noise 0.3
+    --steps "${SFT_STEPS:-600}" --noise 0.3
 fi
 .venv/bin/python train.py --model "$out/sft/model" --out-dir "$out/grpo" --difficulty "$difficulty" --seed "$seed" \
-  --lora-rank 8 --steps 150 --prompts-per-step 4 --group-size 8 --max-new-tokens 8 --lr 1e-3 \
+  --lora-rank 8 --steps 100 --prompts-per-step 4 --group-size 8 --max-new-tokens 8 --lr 1e-3 \
   --step-adv-weight 1 --micro-batch-size 16 --eval-interval 10 --ckpt-interval 50 --export-interval 50 "$@"
 .venv/bin/python launch/report.py "$out/grpo"
 echo "[run] main job finished in $(( ($(date +%s) - start) / 60 )) min (setup and model build included)"
