@@ -67,9 +67,6 @@ def build_engine(model: str, *, max_model_len: int, max_lora_rank: int, seed: in
         dtype="bfloat16" if on_gpu else "float32",  # fp32 on CPU: logprobs match the trainer's
         enable_prefix_caching=True,  # turn k's prompt is turn k-1's prompt + reply + new turn
         enable_lora=True, max_lora_rank=max_lora_rank, max_loras=1, max_cpu_loras=2,
-        # the log-probs of the distribution sampled from (after temperature), which is what the
-        # trainer recomputes; vLLM's default reports the raw model's
-        logprobs_mode="processed_logprobs",
         limit_mm_per_prompt={"image": max_images, "video": 0},
     )
     if on_gpu:

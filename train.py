@@ -746,7 +746,11 @@ def main(cfg: Config):
     t = time.time()
     engine = rollout.build_engine(model_path, max_model_len=cfg.max_model_len, max_lora_rank=cfg.lora_rank,
                                   seed=cfg.seed + rank, gpu_memory_utilization=cfg.gpu_memory_utilization,
-                                  max_images=cfg.max_turns + 1, external_launcher=True)
+                                  max_images=cfg.max_turns + 1, external_launcher=True,
+                                  # vLLM reports the raw model's log-probs by default; at another
+                                  # temperature, those of the tempered distribution it sampled from
+                                  # (which also carry the ban on vision tokens, a tiny difference)
+                                  **({"logprobs_mode": "processed_logprobs"} if cfg.temperature != 1.0 else {}))
     log0(f"vLLM engine ready in {time.time() - t:.1f}s")
     if not on_gpu:
         log0("CPU: vLLM has no sleep mode here, so the engine and the trainer both stay resident")
