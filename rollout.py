@@ -102,6 +102,7 @@ class ChatFormat:
         self.processor = processor
         self.tokenizer = processor.tokenizer
         self.eos_token_ids = set(eos_token_ids)
+        self.end_of_reply_id = next(iter(eos_token_ids), None)  # what a demonstrated reply ends with (SFT)
         self.image_token_id = processor.image_token_id
         # Vision placeholders must never appear in a reply: the trainer's forward pass would take
         # a generated <|image_pad|> for an image slot. Sampling gets a -100 logit bias on them
@@ -111,6 +112,17 @@ class ChatFormat:
             if isinstance(t, int)]
         self._image_tokens = {}  # image size -> number of tokens the image expands to
         self._next_turn = {}  # (observation text, with image, end token of the reply or None) -> ids
+
+    @classmethod
+    def for_model(cls, model_path: str, processor=None) -> "ChatFormat":
+        """The chat format of a model directory (or hub id): its processor, and the end-of-reply
+        tokens from its generation config (falling back to the tokenizer's eos token)."""
+        from transformers import AutoProcessor, GenerationConfig
+
+        processor = processor or AutoProcessor.from_pretrained(model_path)
+        eos = GenerationConfig.from_pretrained(model_path).eos_token_id
+        eos = [eos] if isinstance(eos, int) else list(eos or [processor.tokenizer.eos_token_id])
+        return cls(processor, eos)
 
     @staticmethod
     def user_turn(text: str, with_image: bool = True):

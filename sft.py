@@ -151,7 +151,7 @@ def main():
                         help="1: keep the vision tower as it is (it arrives pretrained); 0: train it too")
     args = parser.parse_args()
 
-    from transformers import AutoProcessor, GenerationConfig, Qwen3VLForConditionalGeneration
+    from transformers import GenerationConfig, Qwen3VLForConditionalGeneration
 
     if args.model:
         model_path = args.model
@@ -160,13 +160,10 @@ def main():
         model_path = str(ensure_tiny_model())
     torch.manual_seed(args.seed)
     rng = random.Random(args.seed)
-    processor = AutoProcessor.from_pretrained(model_path)
-    generation = GenerationConfig.from_pretrained(model_path)
-    eos = generation.eos_token_id
-    eos = [eos] if isinstance(eos, int) else list(eos)
-    chat = rollout.ChatFormat(processor, eos)
+    chat = rollout.ChatFormat.for_model(model_path)
+    processor = chat.processor
     # the reply the model should learn: the answer, then the end-of-turn token
-    reply_ids = {a: chat._ids(f"<answer>{a}</answer>") + [eos[0]] for a in env.ACTION_STRINGS}
+    reply_ids = {a: chat._ids(f"<answer>{a}</answer>") + [chat.end_of_reply_id] for a in env.ACTION_STRINGS}
     answer_id = chat._ids("<answer>")[0]  # the action token is the one right after it
     model = Qwen3VLForConditionalGeneration.from_pretrained(model_path, dtype=torch.float32)
     model.train()
@@ -230,7 +227,7 @@ def main():
     tmp = Path(tempfile.mkdtemp(prefix=".model.tmp-", dir=out))
     model.save_pretrained(tmp)
     processor.save_pretrained(tmp)
-    generation.save_pretrained(tmp)
+    GenerationConfig.from_pretrained(model_path).save_pretrained(tmp)  # the base model's end-of-reply tokens
     (tmp / "SFT_INFO.json").write_text(json.dumps({**vars(args), "base": model_path,
                                                    "final_action_accuracy_avg": acc, **check}, indent=2))
     tmp.chmod(0o755)

@@ -352,6 +352,9 @@ class Batch:
         self.image_token_id = processor.image_token_id
         self.pad_id = processor.tokenizer.pad_token_id or 0
 
+    def length(self, i: int) -> int:
+        return len(self.sequences[i].token_ids)
+
     def _pixels(self, image):
         if id(image) not in self._vision:
             v = self.processor.image_processor(images=[image], return_tensors="pt")
@@ -401,12 +404,18 @@ def chunks(n: int, size: int):
     return [list(range(i, min(i + size, n))) for i in range(0, n, size)]
 
 
-def synced_micro_batches(indices: list[int], size: int) -> list:
+def synced_micro_batches(indices: list[int], size: int, length=None) -> list:
     """Micro-batches of `indices`, padded with None up to the largest count on any rank.
 
+    With `length` (index -> token count) the sequences are sorted longest first, so each
+    micro-batch holds sequences of similar length and little compute goes to padding (episodes
+    range from a few hundred to over a thousand tokens). The gradient is a sum over sequences,
+    so the order does not change it.
     FSDP's forward and backward are collectives, so every rank must run the same number of
     them; ranks whose episodes made fewer sequences run a zero-weight filler (None).
     """
+    if length is not None:
+        indices = sorted(indices, key=length, reverse=True)
     local = [indices[i:i + size] for i in range(0, len(indices), size)]
     most = torch.tensor(len(local))
     dist.all_reduce(most, op=dist.ReduceOp.MAX)
@@ -444,7 +453,7 @@ def old_logprobs(cfg, model, batch: Batch, device) -> tuple[dict, dict, dict]:
     old, ref, mismatch = {}, {}, MismatchMeter()
     model.eval()
     with torch.no_grad():
-        for idx in synced_micro_batches(list(range(len(batch.sequences))), cfg.micro_batch_size):
+        for idx in synced_micro_batches(list(range(len(batch.sequences))), cfg.micro_batch_size, batch.length):
             filler = idx is None
             inputs, mask, rollout_lp = batch.micro([0] if filler else idx, device)
             lp = sequence_logprobs(model, inputs, cfg.temperature)
@@ -536,7 +545,7 @@ def grpo_update(cfg, model, optimizer, scheduler, params, batch: Batch, seq_adva
             in_mini = [i for i in in_mini if bool((seq_advantages[i] != 0).any())]
         trained += len(in_mini)
         optimizer.zero_grad(set_to_none=True)
-        for idx in synced_micro_batches(in_mini, cfg.micro_batch_size):
+        for idx in synced_micro_batches(in_mini, cfg.micro_batch_size, batch.length):
             filler = idx is None
             rows = [0] if filler else idx  # a filler runs any one sequence, with weight 0
             inputs, mask, rollout_lp = batch.micro(rows, device)
@@ -701,12 +710,8 @@ def main(cfg: Config):
     dist.barrier()
     check_shared_dir(shared)
 
-    from transformers import AutoProcessor, GenerationConfig
-
-    processor = AutoProcessor.from_pretrained(model_path)
-    eos = GenerationConfig.from_pretrained(model_path).eos_token_id
-    eos = [eos] if isinstance(eos, int) else list(eos or [processor.tokenizer.eos_token_id])
-    chat = rollout.ChatFormat(processor, eos)
+    chat = rollout.ChatFormat.for_model(model_path)
+    processor = chat.processor
 
     # The policy first (identical seed on every rank), then this rank's engine (its own seed).
     model = build_policy(cfg, model_path, world)

@@ -141,7 +141,6 @@ def hf_play_episodes(model, processor, mazes: list, *, samples_per_maze: int, ma
 
 def bench_rollout(args) -> dict:
     """Section 1: the vLLM rollout against the plain transformers loop, same episodes."""
-    from transformers import AutoProcessor, GenerationConfig
     from vllm.lora.request import LoRARequest
 
     model_path = tiny_model()
@@ -154,9 +153,8 @@ def bench_rollout(args) -> dict:
         f"{p['max_new_tokens']} tokens per reply, {p['repeats']} repeats, {p['threads']} torch threads")
     out = {"params": p, "load_start": load()}
 
-    processor = AutoProcessor.from_pretrained(model_path)
-    eos = GenerationConfig.from_pretrained(model_path).eos_token_id
-    chat = rollout.ChatFormat(processor, eos)
+    chat = rollout.ChatFormat.for_model(model_path)
+    processor = chat.processor
     size = env.DIFFICULTY_SIZES[p["difficulty"]]
     mazes = [env.generate_maze(size, 2_000_000 + i) for i in range(p["mazes"])]  # fixed seeds, never training's
 
@@ -445,7 +443,7 @@ COLDSTART_CONFIGS = {
 def coldstart_child(engine_kwargs: dict):
     """In a fresh process: import, build the engine, the first and second small rollouts."""
     t0 = time.time()
-    from transformers import AutoProcessor, GenerationConfig
+    import transformers  # noqa: F401  (timed as part of the import)
     from vllm import LLM  # noqa: F401  (timed as part of the import)
 
     model_path = tiny_model()
@@ -453,8 +451,7 @@ def coldstart_child(engine_kwargs: dict):
     t = time.time()
     engine = rollout.build_engine(model_path, max_model_len=4096, max_lora_rank=8, seed=0, **engine_kwargs)
     t_build = time.time() - t
-    processor = AutoProcessor.from_pretrained(model_path)
-    chat = rollout.ChatFormat(processor, GenerationConfig.from_pretrained(model_path).eos_token_id)
+    chat = rollout.ChatFormat.for_model(model_path)
     mazes = [env.generate_maze(7, 2_000_000 + i) for i in range(2)]
     times = []
     for _ in range(2):

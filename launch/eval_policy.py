@@ -48,10 +48,7 @@ def main():
         from vllm.lora.request import LoRARequest
 
         lora_request = LoRARequest("policy", 1, str(Path(args.adapter).resolve()))
-    from transformers import AutoProcessor, GenerationConfig
-
-    eos = GenerationConfig.from_pretrained(args.model).eos_token_id
-    chat = rollout.ChatFormat(AutoProcessor.from_pretrained(args.model), [eos] if isinstance(eos, int) else list(eos))
+    chat = rollout.ChatFormat.for_model(args.model)
     replies = rollout.engine_replies(engine, lora_request, args.max_new_tokens, chat.banned_token_ids)
     episodes = rollout.play_chat_episodes(
         env.eval_mazes(args.difficulty, args.n), replies,

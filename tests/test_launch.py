@@ -364,3 +364,28 @@ def test_report_tables_come_from_the_logged_files(tmp_path):
     assert "46.9% ± 4.4%" in mean and "1/2 reached" in mean
     assert f"| {a} | SFT + GRPO | easy | 7/64 |" in lines
     assert (a / "solve_rate.png").exists() and (a / "final_episode.gif").exists()
+
+
+def test_eval_policy_plays_the_held_out_mazes_like_the_trainer(tmp_path, tiny_model, engine):
+    """launch/eval_policy.py (the generalisation check) plays greedily through the same chat path
+    as train.py's evaluation: its per-maze replies match rollout.play_chat_episodes on an engine
+    of our own. A path that is not an adapter is refused with a clear message."""
+    import rollout
+
+    out = tmp_path / "gen" / "easy.json"
+    proc = subprocess.run([sys.executable, "launch/eval_policy.py", "--model", str(tiny_model), "--difficulty", "easy",
+                           "--n", "2", "--max-turns", "3", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["difficulty"] == "easy" and result["total"] == 2 and len(result["mazes"]) == 2
+    assert result["solved"] == sum(m["solved"] for m in result["mazes"])
+    chat = rollout.ChatFormat.for_model(str(tiny_model))
+    mine = rollout.play_chat_episodes(env.eval_mazes("easy", 2), rollout.engine_replies(engine, None, 8, chat.banned_token_ids),
+                                      max_turns=3, progress=False)
+    assert [m["replies"] for m in result["mazes"]] == [e.replies for e in mine]
+    assert not list(out.parent.glob("*.tmp-*"))  # written atomically
+
+    bad = subprocess.run([sys.executable, "launch/eval_policy.py", "--model", str(tiny_model), "--adapter", str(tmp_path)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "not a PEFT adapter directory" in bad.stderr
