@@ -26,6 +26,7 @@ its probability of turning back ~0.01, because the demonstrations never show it.
 """
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -95,6 +96,13 @@ def demonstration(maze, chat: rollout.ChatFormat, reply_ids: dict, rng: random.R
     return [s for s, keep in zip(episode.sequences, trained) if keep]
 
 
+def training_mazes(difficulties: list[str]):
+    """Each size's training stream (never an evaluation layout of that size), and an endless
+    iterator that takes one maze from each stream in turn."""
+    streams = [env.TrainMazeStream(d) for d in difficulties]
+    return streams, (streams[i % len(streams)].next() for i in itertools.count())
+
+
 def action_hits(logits, inputs: dict, mask, answer_id: int) -> tuple[int, int]:
     """(right, total) over the action tokens, the ones right after `<answer>`: the rest of a reply
     is fixed syntax, learned in a few steps. logits and mask are aligned to targets input_ids[:, 1:]."""
@@ -140,6 +148,9 @@ def main():
                         help="sequences per optimizer step (one per maze with full history, one per turn otherwise)")
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--warmup", type=int, default=30, help="linear warm-up steps, then cosine decay to 0")
+    parser.add_argument("--also-train-on", default="",
+                        help="comma-separated other sizes whose training mazes are mixed in, one maze in turn from "
+                             "each stream: many more layouts than 7x7's 135 training ones, against memorising them")
     parser.add_argument("--noise", type=float, default=0.2, help="chance, per on-path turn, of starting a detour")
     parser.add_argument("--max-detour", type=int, default=3, help="longest detour, in wrong moves")
     parser.add_argument("--max-turns", type=int, default=15)
@@ -174,14 +185,14 @@ def main():
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / args.warmup)
                                                  * 0.5 * (1 + math.cos(math.pi * min(s / args.steps, 1.0))))
 
-    stream = env.TrainMazeStream(args.difficulty)  # never an evaluation layout
+    streams, mazes = training_mazes([args.difficulty, *filter(None, args.also_train_on.split(","))])
     pool, log, t_start = [], [], time.time()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     bar = tqdm(range(args.steps), desc="sft", unit="step")
     for step in bar:
         while len(pool) < args.batch_size:
-            pool += demonstration(stream.next(), chat, reply_ids, rng, max_turns=args.max_turns,
+            pool += demonstration(next(mazes), chat, reply_ids, rng, max_turns=args.max_turns,
                                   max_images=args.max_images or None, cell_px=args.cell_px, noise=args.noise,
                                   max_detour=args.max_detour)
         rng.shuffle(pool)
@@ -205,7 +216,7 @@ def main():
             bar.set_postfix(loss=f"{recent[-1]['loss']:.3f}", acc=f"{acc:.2f}")
             with open(out / "sft_metrics.jsonl", "a") as f:
                 f.write(json.dumps({**log[-1], "action_accuracy_avg": acc, "wall_s": time.time() - t_start,
-                                    "mazes_seen": stream.position}) + "\n")
+                                    "mazes_seen": sum(s.position for s in streams)}) + "\n")
 
     # Does the policy read the image? Demonstrations on the held-out evaluation mazes (evaluated on,
     # never trained on), with their real images and with shuffled ones.

@@ -112,3 +112,13 @@ def test_action_hits_count_one_action_token_per_trained_reply(tiny_model):
     assert total == len(masked_segments(seq)) > 0 and hits == total  # one action per trained reply
     wrong = perfect.roll(1, dims=-1)  # every argmax shifted to another token
     assert sft.action_hits(wrong, inputs, mask, answer_id) == (0, total)
+
+
+def test_mixed_sizes_take_turns_and_skip_evaluation_layouts():
+    streams, mazes = sft.training_mazes(["small", "easy"])
+    drawn = [next(mazes) for _ in range(40)]
+    assert [m.size for m in drawn] == [7, 9] * 20
+    for size, difficulty in ((7, "small"), (9, "easy")):
+        eval_keys = {m.layout_key() for m in env.eval_mazes(difficulty, 64)}
+        assert not any(m.layout_key() in eval_keys for m in drawn if m.size == size)
+    assert [s.position for s in streams] >= [20, 20]  # skipped seeds are counted too
