@@ -29,6 +29,7 @@ sys.path.insert(0, str(ROOT))
 DEFAULT_DIR = ROOT / ".cache" / "tiny-qwen3-vl"
 BUILD_VERSION = 3  # bump when the architecture, processor, tokenizer or vision pretraining recipe changes
 VISION_STEPS = 800  # perception pretraining of the vision tower (see pretrain_vision)
+TEXT_LAYERS = 2  # language-model depth; deeper ones generalise better to unseen layouts, at a cost (README)
 
 # Qwen's special tokens. The vision ones are what the Qwen3-VL processor and vLLM look for.
 SPECIAL_TOKENS = [
@@ -79,11 +80,14 @@ def training_corpus() -> list[str]:
     return texts * 4
 
 
-def fingerprint(seed: int, vision_steps: int = VISION_STEPS) -> str:
+def fingerprint(seed: int, vision_steps: int = VISION_STEPS, text_layers: int = TEXT_LAYERS) -> str:
     import env
 
-    recipe = json.dumps([BUILD_VERSION, vision_steps, seed, training_corpus(), env.ACTION_STRINGS, CHAT_TEMPLATE,
-                         env.CELL_PX_TINY, env.WALL_RGB, env.PATH_RGB, env.GOAL_RGB, env.AGENT_RGB])
+    recipe = [BUILD_VERSION, vision_steps, seed, training_corpus(), env.ACTION_STRINGS, CHAT_TEMPLATE,
+              env.CELL_PX_TINY, env.WALL_RGB, env.PATH_RGB, env.GOAL_RGB, env.AGENT_RGB]
+    if text_layers != TEXT_LAYERS:  # (so the default build's fingerprint did not change when depth became a knob)
+        recipe.append({"text_layers": text_layers})
+    recipe = json.dumps(recipe)
     return hashlib.sha256(recipe.encode()).hexdigest()[:16]
 
 
@@ -207,7 +211,7 @@ def pretrain_vision(visual, image_processor, *, steps: int = VISION_STEPS, batch
 
 
 def build(out_dir: Path, seed: int = 0, vocab_size: int = 1024, vision_steps: int = VISION_STEPS,
-          progress: bool = True) -> Path:
+          text_layers: int = TEXT_LAYERS, progress: bool = True) -> Path:
     import torch
     from transformers import (GenerationConfig, Qwen2VLImageProcessor, Qwen3VLConfig,
                               Qwen3VLForConditionalGeneration, Qwen3VLProcessor)
@@ -239,7 +243,7 @@ def build(out_dir: Path, seed: int = 0, vocab_size: int = 1024, vision_steps: in
     config = Qwen3VLConfig(
         text_config=dict(
             vocab_size=-(-len(tokenizer) // 64) * 64, hidden_size=128, intermediate_size=256,
-            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+            num_hidden_layers=TEXT_LAYERS, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
             max_position_embeddings=8192, rms_norm_eps=1e-6, hidden_act="silu",
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                              "mrope_section": [8, 4, 4], "mrope_interleaved": True},
@@ -259,6 +263,14 @@ def build(out_dir: Path, seed: int = 0, vocab_size: int = 1024, vision_steps: in
     model = Qwen3VLForConditionalGeneration(config).to(torch.float32)
     vision_accuracy = pretrain_vision(model.model.visual, image_processor, steps=vision_steps, seed=seed,
                                       progress=progress)
+    if text_layers != TEXT_LAYERS:
+        # Another language-model depth behind the very same eyes: the vision tower just trained is
+        # the default build's bit for bit, so a depth comparison changes one thing only.
+        config.text_config.num_hidden_layers = text_layers
+        torch.manual_seed(seed + 1)
+        other = Qwen3VLForConditionalGeneration(config).to(torch.float32)
+        other.model.visual.load_state_dict(model.model.visual.state_dict())
+        model = other
     model.generation_config = GenerationConfig(
         eos_token_id=[ids["<|im_end|>"], ids["<|endoftext|>"]], pad_token_id=ids["<|endoftext|>"],
         do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
@@ -272,7 +284,8 @@ def build(out_dir: Path, seed: int = 0, vocab_size: int = 1024, vision_steps: in
         processor.save_pretrained(tmp)
         n_params = sum(p.numel() for p in model.parameters())
         (tmp / "BUILD_INFO.json").write_text(json.dumps(
-            {"fingerprint": fingerprint(seed, vision_steps), "seed": seed, "parameters": n_params,
+            {"fingerprint": fingerprint(seed, vision_steps, text_layers), "seed": seed, "parameters": n_params,
+             "text_layers": text_layers,
              "vision_steps": vision_steps, "vision_heldout_accuracy": vision_accuracy}, indent=2))
         tmp.chmod(0o755)  # mkdtemp makes it private; the model is meant to be shared
         if out_dir.exists():
@@ -283,14 +296,15 @@ def build(out_dir: Path, seed: int = 0, vocab_size: int = 1024, vision_steps: in
     return out_dir
 
 
-def ensure_tiny_model(out_dir: Path = DEFAULT_DIR, seed: int = 0, force: bool = False) -> Path:
+def ensure_tiny_model(out_dir: Path = DEFAULT_DIR, seed: int = 0, force: bool = False,
+                      text_layers: int = TEXT_LAYERS) -> Path:
     """Return the tiny model directory, building it only if missing or built from another recipe."""
     out_dir = Path(out_dir)
     info = out_dir / "BUILD_INFO.json"
     if not force and info.exists():
-        if json.loads(info.read_text()).get("fingerprint") == fingerprint(seed):
+        if json.loads(info.read_text()).get("fingerprint") == fingerprint(seed, text_layers=text_layers):
             return out_dir
-    return build(out_dir, seed=seed)
+    return build(out_dir, seed=seed, text_layers=text_layers)
 
 
 def random_lora(model_dir, out_dir, *, rank: int = 8, seed: int = 0, b_std: float = 0.5):
@@ -321,8 +335,11 @@ def main():
     parser.add_argument("--out", type=Path, default=DEFAULT_DIR)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--force", action="store_true", help="rebuild even if an identical build exists")
+    parser.add_argument("--text-layers", type=int, default=TEXT_LAYERS, help="language-model depth")
     args = parser.parse_args()
-    path = ensure_tiny_model(args.out, seed=args.seed, force=args.force)
+    if args.text_layers < 1:
+        parser.error("--text-layers must be at least 1")
+    path = ensure_tiny_model(args.out, seed=args.seed, force=args.force, text_layers=args.text_layers)
     info = json.loads((path / "BUILD_INFO.json").read_text())
     print(f"tiny Qwen3-VL at {path} ({info['parameters']:,} parameters, fingerprint {info['fingerprint']})")
 

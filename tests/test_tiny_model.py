@@ -27,6 +27,16 @@ def test_build_is_deterministic(tmp_path, tiny_model):
     assert (one / "tokenizer.json").read_text() == (tiny_model / "tokenizer.json").read_text()
     # a different recipe is a different model, which ensure_tiny_model must not mistake for the default
     assert json.loads((one / "BUILD_INFO.json").read_text())["fingerprint"] == fingerprint(0, 3) != fingerprint(0)
+    # a deeper language model behind the same (bit-identical) vision tower
+    assert fingerprint(0, 3, text_layers=4) != fingerprint(0, 3)
+    deeper = build(tmp_path / "deeper", seed=0, vision_steps=3, text_layers=4, progress=False)
+    assert json.loads((deeper / "config.json").read_text())["text_config"]["num_hidden_layers"] == 4
+    from safetensors.torch import load_file
+
+    base, deep = load_file(str(one / "model.safetensors")), load_file(str(deeper / "model.safetensors"))
+    vision = [k for k in base if ".visual." in k]
+    assert vision and all(torch.equal(base[k], deep[k]) for k in vision)
+    assert "model.language_model.layers.3.mlp.up_proj.weight" in deep
 
 
 def test_cell_targets_describe_the_picture():
