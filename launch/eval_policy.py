@@ -23,6 +23,24 @@ import rollout  # noqa: E402  (first: sets vLLM's environment)
 import env  # noqa: E402
 
 
+def load_policy(model: str, adapter: str, max_turns: int):
+    """An in-process vLLM engine for `model`, the LoRARequest for `adapter` (None if empty) and the
+    model's chat format. A path that is not a PEFT adapter is refused before anything loads."""
+    rank = 8
+    if adapter:
+        config_file = Path(adapter) / "adapter_config.json"
+        if not config_file.exists():
+            raise SystemExit(f"{adapter} is not a PEFT adapter directory (no adapter_config.json)")
+        rank = json.loads(config_file.read_text())["r"]
+    engine = rollout.build_engine(model, max_model_len=4096, max_lora_rank=rank, seed=0, max_images=max_turns + 1)
+    lora_request = None
+    if adapter:
+        from vllm.lora.request import LoRARequest
+
+        lora_request = LoRARequest("policy", 1, str(Path(adapter).resolve()))
+    return engine, lora_request, rollout.ChatFormat.for_model(model)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, help="HF model directory or id")
@@ -35,20 +53,7 @@ def main():
     parser.add_argument("--out", default="", help="write the per-maze results here (JSON)")
     args = parser.parse_args()
 
-    rank = 8
-    if args.adapter:
-        config_file = Path(args.adapter) / "adapter_config.json"
-        if not config_file.exists():
-            raise SystemExit(f"{args.adapter} is not a PEFT adapter directory (no adapter_config.json)")
-        rank = json.loads(config_file.read_text())["r"]
-    engine = rollout.build_engine(args.model, max_model_len=4096, max_lora_rank=rank, seed=0,
-                                  max_images=args.max_turns + 1)
-    lora_request = None
-    if args.adapter:
-        from vllm.lora.request import LoRARequest
-
-        lora_request = LoRARequest("policy", 1, str(Path(args.adapter).resolve()))
-    chat = rollout.ChatFormat.for_model(args.model)
+    engine, lora_request, chat = load_policy(args.model, args.adapter, args.max_turns)
     replies = rollout.engine_replies(engine, lora_request, args.max_new_tokens, chat.banned_token_ids)
     episodes = rollout.play_chat_episodes(
         env.eval_mazes(args.difficulty, args.n), replies,

@@ -389,3 +389,22 @@ def test_eval_policy_plays_the_held_out_mazes_like_the_trainer(tmp_path, tiny_mo
     bad = subprocess.run([sys.executable, "launch/eval_policy.py", "--model", str(tiny_model), "--adapter", str(tmp_path)],
                          cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "not a PEFT adapter directory" in bad.stderr
+
+
+def test_diagnose_replays_the_greedy_policy_with_oracle_rules(tmp_path, tiny_model):
+    from launch.diagnose import VARIANTS, blocked
+
+    maze = env.generate_maze(7, seed=0)
+    start = maze.start
+    for move, (dr, dc) in env.MOVE_DELTAS.items():
+        action = env.ACTION_STRINGS[move]
+        assert blocked(maze, start, action) == (not maze.is_open((start[0] + dr, start[1] + dc)))
+    assert not blocked(maze, start, env.STOP_ACTION) and not blocked(maze, start, "garbage")
+
+    proc = subprocess.run([sys.executable, "launch/diagnose.py", "--model", str(tiny_model), "--n", "2", "--max-turns", "3"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    import re
+
+    rows = [m.groups() for line in proc.stdout.splitlines() if (m := re.fullmatch(r"\s*(\S+): solved (\d)/2", line))]
+    assert [name for name, _ in rows] == list(VARIANTS), proc.stdout
