@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT))
 import rollout  # noqa: E402  (first: sets vLLM's environment)
 
 import env  # noqa: E402
-from launch.eval_policy import load_policy  # noqa: E402
+from launch.eval_policy import load_policy, policy_arguments  # noqa: E402
 
 VARIANTS = ("greedy", "no-repeat", "no-wall", "both")
 
@@ -49,12 +49,11 @@ def play(engine, lora_request, chat, mazes, variant: str, max_turns: int) -> lis
     games = [env.MazeEnv(m, max_turns=max_turns) for m in mazes]
     first = [g.reset() for g in games]
     conversations = [[rollout.chat_user_message(env.INSTRUCTIONS + "\n" + obs.text, obs.image)] for obs in first]
-    cells = [m.start for m in mazes]
     made = [{} for _ in mazes]  # per episode: cell -> moves already made from it
     while active := [i for i, g in enumerate(games) if not g.done]:
         outputs = engine.chat([conversations[i] for i in active], params, lora_request=lora_request, use_tqdm=False)
         for i, out in zip(active, outputs):
-            maze, cell = mazes[i], cells[i]
+            maze, cell = mazes[i], games[i].agent
             top = out.outputs[0].logprobs[1] if len(out.outputs[0].logprobs) > 1 else {}
             ranked = [action_of[t] for t, _ in sorted(top.items(), key=lambda kv: -kv[1].logprob) if t in action_of]
             choices = ranked or [env.STOP_ACTION]
@@ -65,11 +64,7 @@ def play(engine, lora_request, chat, mazes, variant: str, max_turns: int) -> lis
             action = choices[0]
             made[i].setdefault(cell, set()).add(action)
             reply = f"<answer>{action}</answer>"
-            obs = games[i].step(reply)
-            parsed = env.parse_action(reply)
-            if parsed[0] == "move" and not blocked(maze, cell, action):
-                dr, dc = env.MOVE_DELTAS[parsed[1]]
-                cells[i] = (cell[0] + dr, cell[1] + dc)
+            obs = games[i].step(reply)  # moves games[i].agent
             conversations[i].append({"role": "assistant", "content": reply})
             if not games[i].done:
                 conversations[i].append(rollout.chat_user_message(obs.text, obs.image))
@@ -77,12 +72,8 @@ def play(engine, lora_request, chat, mazes, variant: str, max_turns: int) -> lis
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", required=True, help="HF model directory or id")
-    parser.add_argument("--adapter", default="", help="PEFT LoRA directory; empty: the model alone")
-    parser.add_argument("--difficulty", default="small", choices=list(env.DIFFICULTY_SIZES))
-    parser.add_argument("--n", type=int, default=64, help="evaluation mazes (seeds 0..n-1)")
-    parser.add_argument("--max-turns", type=int, default=15)
+    parser = policy_arguments(argparse.ArgumentParser(description=__doc__,
+                                                      formatter_class=argparse.RawDescriptionHelpFormatter))
     args = parser.parse_args()
 
     engine, lora_request, chat = load_policy(args.model, args.adapter, args.max_turns)

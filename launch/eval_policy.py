@@ -41,13 +41,19 @@ def load_policy(model: str, adapter: str, max_turns: int):
     return engine, lora_request, rollout.ChatFormat.for_model(model)
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def policy_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The policy to play and the held-out mazes to play it on (shared with launch/diagnose.py)."""
     parser.add_argument("--model", required=True, help="HF model directory or id")
     parser.add_argument("--adapter", default="", help="PEFT LoRA directory; empty: the model alone")
     parser.add_argument("--difficulty", default="small", choices=list(env.DIFFICULTY_SIZES))
     parser.add_argument("--n", type=int, default=64, help="evaluation mazes (seeds 0..n-1)")
     parser.add_argument("--max-turns", type=int, default=15)
+    return parser
+
+
+def main():
+    parser = policy_arguments(argparse.ArgumentParser(description=__doc__,
+                                                      formatter_class=argparse.RawDescriptionHelpFormatter))
     parser.add_argument("--max-new-tokens", type=int, default=8)
     parser.add_argument("--max-images", type=int, default=0, help="0: full image history")
     parser.add_argument("--out", default="", help="write the per-maze results here (JSON)")
