@@ -6,19 +6,24 @@
 #   DIFFICULTY=easy SFT_STEPS=1500 GRPO_STEPS=300 bash launch/seeds.sh   # VisGym's easy (9x9), longer
 #
 # Each seed is a whole main job (launch/run.sh), so a killed experiment resumes where it stopped.
+# RUNS_DIR (default runs) holds the seeds' directories; EVAL_MAZES (default 64) sets how many
+# held-out mazes every evaluation plays, the generalisation ones included.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 difficulty="${DIFFICULTY:-small}"
 other="${OTHER:-$([ "$difficulty" = small ] && echo easy || echo small)}"
+eval_mazes="${EVAL_MAZES:-64}"
 runs=()
 for seed in ${SEEDS:-0 1 2}; do
-  out="runs/$difficulty-seed$seed"
-  OUT="$out" DIFFICULTY="$difficulty" SEED="$seed" bash launch/run.sh ${GRPO_STEPS:+--steps "$GRPO_STEPS"}
+  out="${RUNS_DIR:-runs}/$difficulty-seed$seed"
+  OUT="$out" DIFFICULTY="$difficulty" SEED="$seed" bash launch/run.sh --eval-mazes "$eval_mazes" \
+    ${GRPO_STEPS:+--steps "$GRPO_STEPS"}
   final=$(ls -d "$out"/grpo/adapters/step_* | sort -t_ -k2 -n | tail -1)
   for policy in sft grpo; do
     adapter=$([ $policy = grpo ] && echo "--adapter $final" || true)
     [ -f "$out/generalisation/$other-$policy.json" ] || .venv/bin/python launch/eval_policy.py \
-      --model "$out/sft/model" $adapter --difficulty "$other" --out "$out/generalisation/$other-$policy.json"
+      --model "$out/sft/model" $adapter --difficulty "$other" --n "$eval_mazes" \
+      --out "$out/generalisation/$other-$policy.json"
   done
   runs+=("$out/grpo")
 done

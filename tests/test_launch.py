@@ -366,6 +366,32 @@ def test_report_tables_come_from_the_logged_files(tmp_path):
     assert (a / "solve_rate.png").exists() and (a / "final_episode.gif").exists()
 
 
+def test_seeds_script_runs_each_seed_and_plays_it_on_the_other_size(tmp_path):
+    """launch/seeds.sh end to end, shrunk: per seed a whole main job (SFT, GRPO, report), the SFT
+    and the final GRPO policy played on the other maze size, then one table over the seeds whose
+    numbers are the ones the runs logged."""
+    environ = dict(os.environ, SEEDS="0 1", SFT_STEPS="2", GRPO_STEPS="1", EVAL_MAZES="2", RUNS_DIR=str(tmp_path))
+    proc = subprocess.run(["bash", "launch/seeds.sh"], cwd=ROOT, env=environ, capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    for seed in (0, 1):
+        run = tmp_path / f"small-seed{seed}"
+        evals = {p.name: json.loads(p.read_text()) for p in (run / "grpo" / "eval").glob("step_*.json")}
+        assert sorted(evals) == ["step_0.json", "step_1.json"] and evals["step_1.json"]["total"] == 2
+        assert json.loads((run / "grpo" / "config.json").read_text())["seed"] == seed
+        assert (run / "grpo" / "adapters" / "step_1").is_dir()
+        final = evals["step_1.json"]
+        row = next(line for line in lines if line.startswith(f"| {run / 'grpo'} | {seed} |"))
+        assert f"| {100 * final['solve_rate']:.1f}% (1) |" in row  # the final column is the logged eval
+        for policy, adapter in (("sft", ""), ("grpo", str(run / "grpo" / "adapters" / "step_1"))):
+            result = json.loads((run / "generalisation" / f"easy-{policy}.json").read_text())
+            assert result["difficulty"] == "easy" and result["total"] == 2 and result["adapter"] == adapter
+            label = "SFT + GRPO" if adapter else "SFT"
+            assert f"| {run / 'grpo'} | {label} | easy | {result['solved']}/2 |" in lines
+    assert any(line.startswith("| mean ± std |") for line in lines)
+
+
 def test_eval_policy_plays_the_held_out_mazes_like_the_trainer(tmp_path, tiny_model, engine):
     """launch/eval_policy.py (the generalisation check) plays greedily through the same chat path
     as train.py's evaluation: its per-maze replies match rollout.play_chat_episodes on an engine
