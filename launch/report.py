@@ -72,6 +72,12 @@ def time_to(metrics: list[dict], evals: list[dict], rate: float):
     return hit["step"], sum(m["step_s"] for m in metrics if m["step"] <= hit["step"])
 
 
+def solvable(difficulty: str, n: int, max_turns: int) -> int:
+    """How many of the n evaluation mazes can be solved at all within max_turns (the ceiling):
+    the shortest path's moves plus the final stop must fit. On 9x9 mazes with 15 turns, not all can."""
+    return sum(len(env.solve(maze)) <= max_turns for maze in env.eval_mazes(difficulty, n))
+
+
 def run_row(run: Path, target: float) -> dict:
     evals = load_evals(run)
     metrics_file = run / "metrics.jsonl"
@@ -134,6 +140,10 @@ def main():
         print(f"| before GRPO | {evals[0]['step']} | {evals[0]['solved']}/{evals[0]['total']} |")
         print(f"| best | {best['step']} | {best['solved']}/{best['total']} |")
         print(f"| final | {evals[-1]['step']} | {evals[-1]['solved']}/{evals[-1]['total']} |")
+    first = load_evals(args.runs[0])[0]
+    max_turns = json.loads((args.runs[0] / "config.json").read_text())["max_turns"]
+    print(f"\n{solvable(first['difficulty'], first['total'], max_turns)} of the {first['total']} {first['difficulty']} "
+          f"evaluation mazes can be solved within {max_turns} turns (shortest path plus stop)")
     print()
     print(seeds_table([run_row(run, args.target) for run in args.runs], args.target))
     # written by launch/seeds.sh next to each run: the policies played on another maze size

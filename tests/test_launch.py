@@ -363,6 +363,10 @@ def test_report_tables_come_from_the_logged_files(tmp_path):
     mean = next(line for line in lines if line.startswith("| mean ± std |"))
     assert "46.9% ± 4.4%" in mean and "1/2 reached" in mean
     assert f"| {a} | SFT + GRPO | easy | 7/64 |" in lines
+    # the ceiling, from the solver: every 7x7 maze fits in 15 turns, only some 9x9 ones do
+    assert "64 of the 64 small evaluation mazes can be solved within 15 turns (shortest path plus stop)" in lines
+    from launch.report import solvable
+    assert solvable("easy", 64, 15) < 64 == solvable("easy", 64, 21)
     assert (a / "solve_rate.png").exists() and (a / "final_episode.gif").exists()
 
 
