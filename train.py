@@ -866,7 +866,12 @@ def main(cfg: Config):
     bar.close()
     if rank == 0:
         writer.close()
-        summary = {"steps": cfg.steps, "wall_s": round(time.time() - run_start, 1),
+        # steps_s covers every process that worked on this run (a resumed run's earlier ones too);
+        # wall_s is this process's own time, start-up included
+        metrics_file = out / "metrics.jsonl"
+        steps_s = sum(json.loads(line)["step_s"] for line in metrics_file.read_text().splitlines()) \
+            if metrics_file.exists() else 0.0
+        summary = {"steps": cfg.steps, "steps_s": round(steps_s, 1), "wall_s": round(time.time() - run_start, 1),
                    ("gpu_hours" if on_gpu else "process_hours"): round(hours, 4)}
         evals = sorted((json.loads(p.read_text()) for p in (out / "eval").glob("step_*.json")), key=lambda r: r["step"])
         summary["eval"] = {r["step"]: f"{r['solved']}/{r['total']}" for r in evals}

@@ -126,6 +126,9 @@ def assert_one_line_per_step_and_the_uninterrupted_maze_stream(out: Path, steps:
     expected = [[stream.next().seed for _ in range(2)] for _ in range(steps)]
     assert [m["maze_seeds"] for m in lines] == expected
     assert lines[-1]["stream_position"] == stream.position
+    # the summary's time in steps counts the killed process's steps too, not just the last process's
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == steps and abs(summary["steps_s"] - sum(m["step_s"] for m in lines)) < 0.1
 
 
 # ----------------------------------------------------------------------------- torchrun
