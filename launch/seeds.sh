@@ -3,7 +3,7 @@
 # SFT warm start) also played on the other size (generalisation), then one table over the seeds.
 #
 #   bash launch/seeds.sh                                         # 7x7, seeds 0 1 2 -> runs/small-seed<N>
-#   DIFFICULTY=easy SFT_STEPS=1500 GRPO_STEPS=300 bash launch/seeds.sh   # VisGym's easy (9x9), longer
+#   DIFFICULTY=easy SFT_STEPS=1000 GRPO_STEPS=100 bash launch/seeds.sh   # VisGym's easy (9x9), longer
 #
 # Each seed is a whole main job (launch/run.sh), so a killed experiment resumes where it stopped.
 # RUNS_DIR (default runs) holds the seeds' directories; EVAL_MAZES (default 64) sets how many
