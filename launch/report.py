@@ -126,22 +126,23 @@ def main():
     parser.add_argument("runs", type=Path, nargs="+")
     parser.add_argument("--target", type=float, default=0.9, help="solve rate for the time-to-target columns")
     args = parser.parse_args()
+    loaded = {}  # run -> (its evaluations, its config), each file read once
     for run in args.runs:
         evals = load_evals(run)
         if not evals:
             raise SystemExit(f"{run} has no eval/step_*.json yet")
         config = json.loads((run / "config.json").read_text())
+        loaded[run] = evals, config
         print(f"curve: {plot_curves(run, evals)}")
         print(f"episode: {replay_gif(run, evals[-1], config['cell_px'], config['max_turns'])}")
+    evals, config = loaded[args.runs[0]]
     if len(args.runs) == 1:
-        evals = load_evals(args.runs[0])
         best = max(evals, key=lambda r: r["solve_rate"])
         print(f"\n| | step | solved |\n|---|---|---|")
         print(f"| before GRPO | {evals[0]['step']} | {evals[0]['solved']}/{evals[0]['total']} |")
         print(f"| best | {best['step']} | {best['solved']}/{best['total']} |")
         print(f"| final | {evals[-1]['step']} | {evals[-1]['solved']}/{evals[-1]['total']} |")
-    first = load_evals(args.runs[0])[0]
-    max_turns = json.loads((args.runs[0] / "config.json").read_text())["max_turns"]
+    first, max_turns = evals[0], config["max_turns"]
     print(f"\n{solvable(first['difficulty'], first['total'], max_turns)} of the {first['total']} {first['difficulty']} "
           f"evaluation mazes can be solved within {max_turns} turns (shortest path plus stop)")
     print()
