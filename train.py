@@ -236,13 +236,22 @@ def publish_dir(tmp: Path, final: Path):
     fsync_path(final.parent)  # the rename itself is on disk before anything (`latest`) names it
 
 
-def prune(parent: Path, prefix: str, keep: int):
+def prune(parent: Path, prefix: str, keep: int, current: int | None = None):
     """Keep the newest `keep` <prefix><N> dirs. Call only from the one process that writes `parent`:
-    it also deletes the hidden temp dirs of writes that a crash cut short."""
+    it also deletes the hidden temp dirs of writes that a crash cut short.
+
+    With `current` (the step just written), dirs numbered above it are deleted first: they are
+    left over from a run that got further than the checkpoint this one resumed from, and would
+    otherwise count as the newest and push out the dir just written.
+    """
     for stale in parent.glob(f".{prefix}*"):
         shutil.rmtree(stale, ignore_errors=True)
     done = sorted((p for p in parent.glob(prefix + "*") if p.name[len(prefix):].isdigit()),
                   key=lambda p: int(p.name[len(prefix):]))
+    if current is not None:
+        for abandoned in [p for p in done if int(p.name[len(prefix):]) > current]:
+            remove_dir(abandoned)
+        done = [p for p in done if int(p.name[len(prefix):]) <= current]
     for old in done[:-keep]:
         remove_dir(old)
 
@@ -328,7 +337,7 @@ def sync_adapter(model, engine, shared: Path, step: int, keep: int):
     path = shared / "sync" / f"step_{step}"
     if dist.get_rank() == 0:
         write_adapter(model, state, path)
-        prune(shared / "sync", "step_", keep)
+        prune(shared / "sync", "step_", keep, current=step)
     dist.barrier()
     # A NEW id and path per step: vLLM loads an id only once, so re-using an id would silently
     # keep generating with the old weights (and could reuse their prefix-cache blocks).
@@ -615,7 +624,7 @@ def publish_checkpoint(cfg, tmp: Path, step: int, out: Path):
     ckpt_root = out / "checkpoints"
     publish_dir(tmp, ckpt_root / f"step_{step}")
     atomic_write_text(ckpt_root / "latest", f"step_{step}")
-    prune(ckpt_root, "step_", cfg.keep_checkpoints)
+    prune(ckpt_root, "step_", cfg.keep_checkpoints, current=step)
 
 
 def find_checkpoint(cfg, out: Path) -> Path | None:

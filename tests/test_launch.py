@@ -180,7 +180,10 @@ def test_kill_during_a_checkpoint_write_loads_the_previous_checkpoint(tmp_path, 
     out, ckpts = tmp_path / "run", tmp_path / "run" / "checkpoints"
     # train.py SIGKILLs itself in the middle of writing step 2's checkpoint (files half there, no
     # meta.json), on torchrun's first attempt only
-    proc = launch(out, "--steps", "2", "--ckpt-interval", "1", MAX_RESTARTS="1", GRPO_TEST_KILL_IN_CHECKPOINT="2")
+    # (--keep-syncs 1: the step-2 adapter the engines got before the crash is then the only one
+    # kept, and must not push out the step-1 adapter the resumed run writes)
+    proc = launch(out, "--steps", "2", "--ckpt-interval", "1", "--keep-syncs", "1", MAX_RESTARTS="1",
+                  GRPO_TEST_KILL_IN_CHECKPOINT="2")
     [worker] = wait_for(lambda: workers(proc), "the worker", [proc])
     wait_for(lambda: not psutil.pid_exists(worker) or psutil.Process(worker).status() == psutil.STATUS_ZOMBIE,
              "the worker to die in its checkpoint write", [proc])
@@ -205,6 +208,12 @@ def test_torn_metrics_lines_and_leftover_dirs(tmp_path):
         (tmp_path / name).mkdir()
     train.prune(tmp_path, "step_", keep=2)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_2", "step_3"]
+    # a run resumed at step 1 writes step_1 again: the abandoned run's later dirs go, not it
+    train.prune(tmp_path, "step_", keep=1, current=1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+    (tmp_path / "step_1").mkdir(), (tmp_path / "step_5").mkdir(), (tmp_path / "step_6").mkdir()
+    train.prune(tmp_path, "step_", keep=1, current=1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_1"]
 
 
 def test_torchrun_sh_command_lines():
