@@ -6,6 +6,10 @@
 Greedy play of the fixed evaluation mazes through the same chat path as train.py's evaluation
 and `serve.py eval` (rollout.play_chat_episodes), here with an in-process vLLM engine. Used for
 the generalisation check: a policy trained on one maze size, played on another.
+
+`--training-mazes` plays the first n mazes of the training stream instead (the ones GRPO and SFT
+drew from). Held-out and training solve rates side by side tell overfitting (better on the
+training mazes) from not learning at all (no better there either).
 """
 
 import argparse
@@ -57,19 +61,26 @@ def main():
     parser.add_argument("--max-new-tokens", type=int, default=8)
     parser.add_argument("--max-images", type=int, default=0, help="0: full image history")
     parser.add_argument("--out", default="", help="write the per-maze results here (JSON)")
+    parser.add_argument("--training-mazes", action="store_true",
+                        help="play the first n training mazes (never an evaluation layout) instead")
     args = parser.parse_args()
 
     engine, lora_request, chat = load_policy(args.model, args.adapter, args.max_turns)
     replies = rollout.engine_replies(engine, lora_request, args.max_new_tokens, chat.banned_token_ids)
+    if args.training_mazes:
+        stream = env.TrainMazeStream(args.difficulty)
+        mazes, which = [stream.next() for _ in range(args.n)], "training"
+    else:
+        mazes, which = env.eval_mazes(args.difficulty, args.n), "evaluation"
     episodes = rollout.play_chat_episodes(
-        env.eval_mazes(args.difficulty, args.n), replies,
-        max_turns=args.max_turns, max_images=args.max_images or None, desc=f"eval {args.difficulty}")
+        mazes, replies, max_turns=args.max_turns, max_images=args.max_images or None,
+        desc=f"{which} {args.difficulty}")
     solved = sum(e.solved for e in episodes)
-    result = {"model": args.model, "adapter": args.adapter, "difficulty": args.difficulty, "solved": solved,
-              "total": len(episodes), "solve_rate": solved / len(episodes),
+    result = {"model": args.model, "adapter": args.adapter, "difficulty": args.difficulty, "mazes_played": which,
+              "solved": solved, "total": len(episodes), "solve_rate": solved / len(episodes),
               "mazes": [{"maze_index": i, "seed": e.maze.seed, "solved": e.solved, "turns": e.num_turns,
                          "end_reason": e.end_reason, "replies": e.replies} for i, e in enumerate(episodes)]}
-    print(f"{args.difficulty}: solved {solved}/{len(episodes)}")
+    print(f"{args.difficulty} {which} mazes: solved {solved}/{len(episodes)}")
     if args.out:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -428,6 +428,21 @@ def test_eval_policy_plays_the_held_out_mazes_like_the_trainer(tmp_path, tiny_mo
     assert [m["replies"] for m in result["mazes"]] == [e.replies for e in mine]
     assert not list(out.parent.glob("*.tmp-*"))  # written atomically
 
+    # --training-mazes: the training stream's first mazes instead, no evaluation layout among them
+    out = tmp_path / "gen" / "easy-train.json"
+    proc = subprocess.run([sys.executable, "launch/eval_policy.py", "--model", str(tiny_model), "--difficulty", "easy",
+                           "--n", "2", "--max-turns", "3", "--training-mazes", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    stream = env.TrainMazeStream("easy")
+    training = [stream.next() for _ in range(2)]
+    assert result["mazes_played"] == "training" and [m["seed"] for m in result["mazes"]] == [m.seed for m in training]
+    assert not {m.layout_key() for m in training} & {m.layout_key() for m in env.eval_mazes("easy")}
+    mine = rollout.play_chat_episodes(training, rollout.engine_replies(engine, None, 8, chat.banned_token_ids),
+                                      max_turns=3, progress=False)
+    assert [m["replies"] for m in result["mazes"]] == [e.replies for e in mine]
+
     bad = subprocess.run([sys.executable, "launch/eval_policy.py", "--model", str(tiny_model), "--adapter", str(tmp_path)],
                          cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "not a PEFT adapter directory" in bad.stderr
