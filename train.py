@@ -52,6 +52,9 @@ class Config:
     difficulty: str = "small"  # tiny 5x5 | small 7x7 | easy 9x9 (VisGym) | hard 11x11 (VisGym)
     cell_px: int = env.CELL_PX_TINY
     max_turns: int = 15
+    # the training rollouts' turn limit (0: max_turns). A tighter one than evaluation's leaves no
+    # room to wander: an episode that loops or detours fails instead of still earning the reward
+    train_max_turns: int = 0
     max_new_tokens: int = 32  # per turn
     max_model_len: int = 4096
     max_images: int = 0  # keep only the last k images in the conversation; 0: full history
@@ -121,6 +124,8 @@ class Config:
                      "ckpt_interval", "export_interval", "keep_checkpoints", "keep_syncs"):
             if getattr(self, name) < 1:
                 problems.append(f"{name} must be >= 1")
+        if not 0 <= self.train_max_turns <= self.max_turns:
+            problems.append("train_max_turns must be between 0 (= max_turns) and max_turns")
         if problems:
             raise SystemExit("bad config:\n  " + "\n  ".join(problems))
 
@@ -788,11 +793,10 @@ def main(cfg: Config):
         mine = list(range(rank * P_rank, (rank + 1) * P_rank))
         episodes = rollout.play_episodes(
             engine, chat, [mazes[i] for i in mine], [step * cfg.prompts_per_step + i for i in mine],
-            samples_per_maze=cfg.group_size, max_turns=cfg.max_turns, max_new_tokens=cfg.max_new_tokens,
-            max_model_len=cfg.max_model_len, temperature=cfg.temperature, seed=cfg.seed,
-            lora_request=lora_request, cell_px=cfg.cell_px, max_images=cfg.max_images or None,
-            desc=f"rollout@{step + 1}",
-            progress=cfg.progress and rank == 0)
+            samples_per_maze=cfg.group_size, max_turns=cfg.train_max_turns or cfg.max_turns,
+            max_new_tokens=cfg.max_new_tokens, max_model_len=cfg.max_model_len, temperature=cfg.temperature,
+            seed=cfg.seed, lora_request=lora_request, cell_px=cfg.cell_px, max_images=cfg.max_images or None,
+            desc=f"rollout@{step + 1}", progress=cfg.progress and rank == 0)
         if on_gpu:
             # Time-slicing: the engine gives the GPU to the trainer. Level 1 moves the weights to
             # CPU RAM and drops the KV cache; level 2 would discard the base weights we still need.

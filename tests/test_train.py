@@ -126,9 +126,12 @@ def test_engine_runs_the_current_policy_after_every_sync(tmp_path):
 
 def test_world_of_one_runs_logs_evaluates_checkpoints_exports(tmp_path):
     out = tmp_path / "run"
-    run_train(out, "--steps", "2", "--eval-interval", "2", "--ckpt-interval", "1", "--export-interval", "2")
+    # training rollouts with a tighter turn limit (2) than evaluation's (4)
+    run_train(out, "--steps", "2", "--eval-interval", "2", "--ckpt-interval", "1", "--export-interval", "2",
+              "--train-max-turns", "2")
     metrics = read_metrics(out)
     assert [m["step"] for m in metrics] == [1, 2]
+    assert all(0 < m["episode_turns"] <= 2 for m in metrics)
     for key in ("reward_mean", "solve_rate", "episode_turns", "generated_tokens", "invalid_action_rate",
                 "end_turn_limit", "zero_variance_group_frac", "clip_frac", "mismatch_abs_mean", "mismatch_k3",
                 "grad_norm", "lr", "rollout_s", "logprobs_s", "update_s", "sync_s", "eval_s", "checkpoint_s",
@@ -137,6 +140,7 @@ def test_world_of_one_runs_logs_evaluates_checkpoints_exports(tmp_path):
     assert all(m["mismatch_abs_mean"] < 1e-3 for m in metrics)
     evals = json.loads((out / "eval" / "step_2.json").read_text())
     assert evals["total"] == 8 and len(evals["mazes"]) == 8 and "solve_rate" in evals
+    assert max(m["turns"] for m in evals["mazes"]) > 2  # evaluation keeps its own limit
     assert (out / "eval" / "step_0.json").exists()
     assert (out / "checkpoints" / "latest").read_text() == "step_2"
     assert (out / "checkpoints" / "step_2" / "trainer_state.pt").exists()
@@ -201,6 +205,8 @@ def test_bad_config_is_a_clear_error():
         train.Config(prompts_per_step=3).validate(world_size=2)
     with pytest.raises(SystemExit, match="difficulty"):
         train.Config(difficulty="impossible").validate(world_size=1)
+    with pytest.raises(SystemExit, match="train_max_turns"):
+        train.Config(max_turns=15, train_max_turns=16).validate(world_size=1)
     cfg = train.parse_config(["--steps", "7", "--scale-adv-by-std", "false", "--lr", "0.5"])
     assert (cfg.steps, cfg.scale_adv_by_std, cfg.lr) == (7, False, 0.5)
 
