@@ -465,3 +465,46 @@ def test_diagnose_replays_the_greedy_policy_with_oracle_rules(tmp_path, tiny_mod
 
     rows = [m.groups() for line in proc.stdout.splitlines() if (m := re.fullmatch(r"\s*(\S+): solved (\d)/2", line))]
     assert [name for name, _ in rows] == list(VARIANTS), proc.stdout
+
+
+def test_failures_classifies_wrong_turns_towards_the_goal_and_two_cell_loops(tmp_path):
+    from launch.failures import classify
+
+    mazes = env.eval_mazes("small", 3)
+    # the first evaluation maze with a fork on its shortest path: another open move that also
+    # brings the agent closer to the goal
+    def fork(maze):
+        cell = maze.start
+        for i, best in enumerate(env.solve(maze)[:-1]):
+            for move, (dr, dc) in env.MOVE_DELTAS.items():
+                nxt = (cell[0] + dr, cell[1] + dc)
+                closer = abs(nxt[0] - maze.goal[0]) + abs(nxt[1] - maze.goal[1]) < \
+                    abs(cell[0] - maze.goal[0]) + abs(cell[1] - maze.goal[1])
+                if env.ACTION_STRINGS[move] != best and maze.is_open(nxt) and closer:
+                    return i, move
+            dr, dc = env.MOVE_DELTAS[env.ACTION_STRINGS.index(best)]
+            cell = (cell[0] + dr, cell[1] + dc)
+        return None
+
+    index = next(i for i, m in enumerate(mazes) if fork(m))
+    steps, wrong = fork(mazes[index])
+    path = env.solve(mazes[index])
+    back = env.ACTION_STRINGS[(wrong + 2) % 4]
+    bounce = path[:steps] + [env.ACTION_STRINGS[wrong], back] * 8  # in and out, in and out
+    rows = [{"maze_index": i, "solved": i != index, "replies": [f"<answer>{a}</answer>" for a in
+                                                                   (bounce[:15] if i == index else env.solve(m))]}
+            for i, m in enumerate(mazes)]
+    result = {"difficulty": "small", "total": 3, "mazes": rows}
+    counts = classify(result)
+    assert counts["failed"] == 1 and counts["first_wrong_towards_goal"] == 1 and counts["two_cell_loop"] == 1
+    assert counts["mazes"] == 3 and 0 <= counts["monotone_shortest_path"] <= 3
+
+    # an unreadable first reply is a wrong move, but not one towards the goal; a stop off the goal no loop
+    rows[index]["replies"] = ["no idea", f"<answer>{env.STOP_ACTION}</answer>"]
+    assert classify(result) == {**counts, "first_wrong_towards_goal": 0, "two_cell_loop": 0}
+
+    out = tmp_path / "step_0.json"
+    out.write_text(json.dumps(result))
+    proc = subprocess.run([sys.executable, "launch/failures.py", str(out)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0 and "failed 1/3; first wrong move towards the goal 0" in proc.stdout, proc.stderr

@@ -1,0 +1,81 @@
+"""How did a greedy policy's failed evaluation episodes go wrong? Read from the logged replies.
+
+    python launch/failures.py runs/main/grpo/eval/step_0.json [runs/main/grpo/eval/step_100.json ...]
+
+Each failed maze is replayed from its `replies` (an `eval/step_<N>.json` of train.py, or the
+output of launch/eval_policy.py or `serve.py eval`) and classified by two questions:
+
+  first wrong move towards the goal   the first move off the shortest path brings the agent closer
+                                      to the goal (Manhattan distance): a heuristic "head for the
+                                      goal" choosing a branch that does not go through
+  ends in a two-cell loop             the last 6 positions alternate between two cells: the agent
+                                      bounces between a dead end and the cell before it
+
+Also printed: how many of the mazes have a shortest path that only ever moves towards the goal.
+No model is loaded.
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import env  # noqa: E402
+
+
+def manhattan(a, b) -> int:
+    return abs(a[0] - b[0]) + abs(a[1] - b[1])
+
+
+def replay(maze, replies: list) -> tuple[list, tuple | None]:
+    """The cells the agent stood on (start first) and its first move off a shortest path, as
+    (cell, action string or None for an invalid reply), or None if it never left one."""
+    cell, cells, first_wrong = maze.start, [maze.start], None
+    for reply in replies:
+        parsed = env.parse_action(reply)
+        action = None if parsed is None else env.STOP_ACTION if parsed[0] == "stop" else env.ACTION_STRINGS[parsed[1]]
+        if first_wrong is None and cell != maze.goal and action != env.solve(maze, start=cell)[0]:
+            first_wrong = (cell, action)
+        if parsed is not None and parsed[0] == "move":
+            dr, dc = env.MOVE_DELTAS[parsed[1]]
+            if maze.is_open((cell[0] + dr, cell[1] + dc)):
+                cell = (cell[0] + dr, cell[1] + dc)
+        cells.append(cell)
+    return cells, first_wrong
+
+
+def classify(result: dict) -> dict:
+    """Counts over the failed mazes of one evaluation result (the JSON's dict)."""
+    mazes = env.eval_mazes(result["difficulty"], result["total"])
+    counts = {"mazes": len(mazes), "failed": 0, "first_wrong_towards_goal": 0, "two_cell_loop": 0,
+              "monotone_shortest_path": sum(len(env.solve(m)) - 1 == manhattan(m.start, m.goal) for m in mazes)}
+    for row in result["mazes"]:
+        if row["solved"]:
+            continue
+        maze = mazes[row["maze_index"]]
+        cells, first_wrong = replay(maze, row["replies"])
+        counts["failed"] += 1
+        counts["two_cell_loop"] += len(cells) >= 6 and len(set(cells[-6:])) == 2
+        if first_wrong is not None and first_wrong[1] in env.ACTION_STRINGS[:4]:
+            cell, (dr, dc) = first_wrong[0], env.MOVE_DELTAS[env.ACTION_STRINGS.index(first_wrong[1])]
+            counts["first_wrong_towards_goal"] += (
+                manhattan((cell[0] + dr, cell[1] + dc), maze.goal) < manhattan(cell, maze.goal))
+    return counts
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("evals", nargs="+", type=Path, help="evaluation result JSON files")
+    args = parser.parse_args()
+    for path in args.evals:
+        c = classify(json.loads(path.read_text()))
+        print(f"{path}: failed {c['failed']}/{c['mazes']}; first wrong move towards the goal "
+              f"{c['first_wrong_towards_goal']}, ends in a two-cell loop {c['two_cell_loop']}; "
+              f"{c['monotone_shortest_path']} mazes have a shortest path that only moves towards the goal")
+
+
+if __name__ == "__main__":
+    main()
