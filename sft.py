@@ -103,6 +103,16 @@ def training_mazes(difficulties: list[str]):
     return streams, (streams[i % len(streams)].next() for i in itertools.count())
 
 
+def make_optimizer(model, lr: float, vision_lr: float = 0.0) -> torch.optim.AdamW:
+    """AdamW over the trainable parameters; the vision tower's, if it is trained at all, at
+    `vision_lr` (0: `lr`): it arrives pretrained and may need a gentler hand than the randomly
+    initialised language model."""
+    vision = {id(p) for p in model.model.visual.parameters()}
+    groups = [{"params": [p for p in model.parameters() if p.requires_grad and id(p) not in vision]},
+              {"params": [p for p in model.model.visual.parameters() if p.requires_grad], "lr": vision_lr or lr}]
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, weight_decay=0.01)
+
+
 def action_hits(logits, inputs: dict, mask, answer_id: int) -> tuple[int, int]:
     """(right, total) over the action tokens, the ones right after `<answer>`: the rest of a reply
     is fixed syntax, learned in a few steps. logits and mask are aligned to targets input_ids[:, 1:]."""
@@ -160,6 +170,8 @@ def main():
     parser.add_argument("--log-every", type=int, default=50)
     parser.add_argument("--freeze-vision", type=int, default=1,
                         help="1: keep the vision tower as it is (it arrives pretrained); 0: train it too")
+    parser.add_argument("--vision-lr", type=float, default=0.0,
+                        help="with --freeze-vision 0: the vision tower's learning rate (0: --lr)")
     args = parser.parse_args()
 
     from transformers import GenerationConfig, Qwen3VLForConditionalGeneration
@@ -178,9 +190,8 @@ def main():
     answer_id = chat._ids("<answer>")[0]  # the action token is the one right after it
     model = Qwen3VLForConditionalGeneration.from_pretrained(model_path, dtype=torch.float32)
     model.train()
-    if args.freeze_vision:
-        model.model.visual.requires_grad_(False)
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr, weight_decay=0.01)
+    model.model.visual.requires_grad_(not args.freeze_vision)
+    optimizer = make_optimizer(model, args.lr, args.vision_lr)
     # linear warm-up, then a cosine decay to zero at the last step
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / args.warmup)
                                                  * 0.5 * (1 + math.cos(math.pi * min(s / args.steps, 1.0))))

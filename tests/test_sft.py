@@ -122,3 +122,20 @@ def test_mixed_sizes_take_turns_and_skip_evaluation_layouts():
         eval_keys = {m.layout_key() for m in env.eval_mazes(difficulty, 64)}
         assert not any(m.layout_key() in eval_keys for m in drawn if m.size == size)
     assert [s.position for s in streams] >= [20, 20]  # skipped seeds are counted too
+
+
+def test_the_vision_tower_is_frozen_or_trained_at_its_own_rate(tiny_model):
+    import torch
+    from transformers import Qwen3VLForConditionalGeneration
+
+    model = Qwen3VLForConditionalGeneration.from_pretrained(str(tiny_model), dtype=torch.float32)
+    vision = {id(p) for p in model.model.visual.parameters()}
+    model.model.visual.requires_grad_(False)  # --freeze-vision 1: not in the optimizer at all
+    [group] = sft.make_optimizer(model, 2e-3, 2e-4).param_groups
+    assert group["lr"] == 2e-3 and not vision & {id(p) for p in group["params"]}
+    model.model.visual.requires_grad_(True)
+    language, visual = sft.make_optimizer(model, 2e-3, 2e-4).param_groups
+    assert (language["lr"], visual["lr"]) == (2e-3, 2e-4)
+    assert {id(p) for p in visual["params"]} == vision and not vision & {id(p) for p in language["params"]}
+    assert len(language["params"]) + len(visual["params"]) == len(list(model.parameters()))
+    assert sft.make_optimizer(model, 2e-3).param_groups[1]["lr"] == 2e-3  # 0: the same rate as the rest
