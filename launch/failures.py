@@ -49,7 +49,15 @@ def replay(maze, replies: list) -> tuple[list, tuple | None]:
 
 def classify(result: dict) -> dict:
     """Counts over the failed mazes of one evaluation result (the JSON's dict)."""
-    mazes = env.eval_mazes(result["difficulty"], result["total"])
+    if result.get("mazes_played") == "training":  # launch/eval_policy.py --training-mazes
+        stream = env.TrainMazeStream(result["difficulty"])
+        mazes = [stream.next() for _ in range(result["total"])]
+    else:
+        mazes = env.eval_mazes(result["difficulty"], result["total"])
+    for row in result["mazes"]:
+        if "seed" in row and row["seed"] != mazes[row["maze_index"]].seed:
+            raise SystemExit(f"maze {row['maze_index']} has seed {row['seed']}, not the replayed maze's "
+                             f"{mazes[row['maze_index']].seed}: these are not the mazes this result was played on")
     counts = {"mazes": len(mazes), "failed": 0, "first_wrong_towards_goal": 0, "two_cell_loop": 0,
               "monotone_shortest_path": sum(len(env.solve(m)) - 1 == manhattan(m.start, m.goal) for m in mazes)}
     for row in result["mazes"]:

@@ -503,6 +503,15 @@ def test_failures_classifies_wrong_turns_towards_the_goal_and_two_cell_loops(tmp
     rows[index]["replies"] = ["no idea", f"<answer>{env.STOP_ACTION}</answer>"]
     assert classify(result) == {**counts, "first_wrong_towards_goal": 0, "two_cell_loop": 0}
 
+    # the training mazes of `eval_policy.py --training-mazes` are replayed as such; a wrong maze is refused
+    stream = env.TrainMazeStream("small")
+    training = {"difficulty": "small", "total": 1, "mazes_played": "training", "mazes": [
+        {"maze_index": 0, "seed": stream.next().seed, "solved": False, "replies": ["no idea"]}]}
+    assert classify(training)["failed"] == 1
+    training["mazes"][0]["seed"] = mazes[0].seed
+    with pytest.raises(SystemExit, match="not the mazes"):
+        classify(training)
+
     out = tmp_path / "step_0.json"
     out.write_text(json.dumps(result))
     proc = subprocess.run([sys.executable, "launch/failures.py", str(out)], cwd=ROOT, capture_output=True, text=True,
