@@ -251,12 +251,14 @@ def prune(parent: Path, prefix: str, keep: int, current: int | None = None):
     """
     for stale in parent.glob(f".{prefix}*"):
         shutil.rmtree(stale, ignore_errors=True)
-    done = sorted((p for p in parent.glob(prefix + "*") if p.name[len(prefix):].isdigit()),
-                  key=lambda p: int(p.name[len(prefix):]))
-    if current is not None:
-        for abandoned in [p for p in done if int(p.name[len(prefix):]) > current]:
-            remove_dir(abandoned)
-        done = [p for p in done if int(p.name[len(prefix):]) <= current]
+    numbered = sorted((int(p.name[len(prefix):]), p) for p in parent.glob(prefix + "*")
+                      if p.name[len(prefix):].isdigit())
+    done = []
+    for number, path in numbered:
+        if current is not None and number > current:
+            remove_dir(path)  # abandoned
+        else:
+            done.append(path)
     for old in done[:-keep]:
         remove_dir(old)
 

@@ -45,6 +45,14 @@ def load_policy(model: str, adapter: str, max_turns: int):
     return engine, lora_request, rollout.ChatFormat.for_model(model)
 
 
+def mazes_played(difficulty: str, n: int, which: str = "evaluation") -> list:
+    """The mazes a result's `mazes_played` names: the first n evaluation or training mazes."""
+    if which == "training":
+        stream = env.TrainMazeStream(difficulty)
+        return [stream.next() for _ in range(n)]
+    return env.eval_mazes(difficulty, n)
+
+
 def policy_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The policy to play and the held-out mazes to play it on (shared with launch/diagnose.py)."""
     parser.add_argument("--model", required=True, help="HF model directory or id")
@@ -67,11 +75,8 @@ def main():
 
     engine, lora_request, chat = load_policy(args.model, args.adapter, args.max_turns)
     replies = rollout.engine_replies(engine, lora_request, args.max_new_tokens, chat.banned_token_ids)
-    if args.training_mazes:
-        stream = env.TrainMazeStream(args.difficulty)
-        mazes, which = [stream.next() for _ in range(args.n)], "training"
-    else:
-        mazes, which = env.eval_mazes(args.difficulty, args.n), "evaluation"
+    which = "training" if args.training_mazes else "evaluation"
+    mazes = mazes_played(args.difficulty, args.n, which)
     episodes = rollout.play_chat_episodes(
         mazes, replies, max_turns=args.max_turns, max_images=args.max_images or None,
         desc=f"{which} {args.difficulty}")

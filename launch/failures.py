@@ -24,6 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import env  # noqa: E402
+from launch.eval_policy import mazes_played  # noqa: E402
 
 
 def manhattan(a, b) -> int:
@@ -49,11 +50,8 @@ def replay(maze, replies: list) -> tuple[list, tuple | None]:
 
 def classify(result: dict) -> dict:
     """Counts over the failed mazes of one evaluation result (the JSON's dict)."""
-    if result.get("mazes_played") == "training":  # launch/eval_policy.py --training-mazes
-        stream = env.TrainMazeStream(result["difficulty"])
-        mazes = [stream.next() for _ in range(result["total"])]
-    else:
-        mazes = env.eval_mazes(result["difficulty"], result["total"])
+    # train.py's results are evaluation mazes; launch/eval_policy.py says which it played
+    mazes = mazes_played(result["difficulty"], result["total"], result.get("mazes_played", "evaluation"))
     for row in result["mazes"]:
         if "seed" in row and row["seed"] != mazes[row["maze_index"]].seed:
             raise SystemExit(f"maze {row['maze_index']} has seed {row['seed']}, not the replayed maze's "
