@@ -8,6 +8,7 @@
   torchrun command lines a cluster needs.
 """
 
+import collections
 import json
 import os
 import shlex
@@ -517,3 +518,40 @@ def test_failures_classifies_wrong_turns_towards_the_goal_and_two_cell_loops(tmp
     proc = subprocess.run([sys.executable, "launch/failures.py", str(out)], cwd=ROOT, capture_output=True, text=True,
                           timeout=60)
     assert proc.returncode == 0 and "failed 1/3; first wrong move towards the goal 0" in proc.stdout, proc.stderr
+
+
+def test_forks_sorts_the_shortest_path_turns_by_how_deep_the_wrong_branch_goes(tmp_path, tiny_model):
+    from launch.forks import branch_depth, turn_kinds
+
+    # A perfect 7x7 maze (nine rooms, eight passages), start top-left, goal bottom-right. From the
+    # start, right leads into a one-room dead end (2 cells) and down is the way; at (3, 1) the route
+    # turns right while a 4-cell branch goes on down and along the bottom row; at (3, 5) it turns
+    # down while a 2-cell branch goes up to the top-right room.
+    rows = ["#######",
+            "#...#.#",
+            "#.###.#",
+            "#.....#",
+            "#.###.#",
+            "#...#.#",
+            "#######"]
+    walls = tuple(tuple(ch == "#" for ch in row) for row in rows)
+    maze = env.Maze(walls=walls, start=(1, 1), goal=(5, 5), seed=-1)
+    assert env.solve(maze) == [env.ACTION_STRINGS[d] for d in (3, 3, 0, 0, 0, 0, 3, 3)] + [env.STOP_ACTION]
+    assert branch_depth(maze, (1, 2), (1, 1)) == 2
+    assert branch_depth(maze, (4, 1), (3, 1)) == 4
+    assert turn_kinds(maze) == ["fork d2", "corridor", "fork d4", "corridor", "corridor", "corridor", "fork d2",
+                                "corridor", "stop"]
+
+    # with a model: one score per turn, every kind accounted for
+    proc = subprocess.run([sys.executable, "launch/forks.py", "--model", str(tiny_model), "--n", "2"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    import re
+
+    scored = {kind: (int(r), int(t)) for kind, r, t in re.findall(r"(\w+(?: d\d+)?): (\d+)/(\d+)", proc.stdout)}
+    census = subprocess.run([sys.executable, "launch/forks.py", "--census", "--n", "2"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=120)
+    counts = {kind: int(n) for kind, n in re.findall(r"(\w+(?: d\d+)?): (\d+)\n", census.stdout)}
+    expected = collections.Counter(k for m in env.eval_mazes("small", 2) for k in turn_kinds(m))
+    assert counts == dict(expected) and {k: t for k, (_, t) in scored.items()} == dict(expected), proc.stdout
+    assert all(0 <= r <= t for r, t in scored.values())

@@ -1,0 +1,122 @@
+"""Which decisions does a policy get wrong? Its accuracy on the shortest path, by kind of turn.
+
+    python launch/forks.py --model runs/main/sft/model [--n 64] [--training-mazes]
+    python launch/forks.py --census [--difficulty small]       # no model: how common each kind is
+
+Every turn of a maze's shortest path is one of three kinds:
+
+  corridor   no other way on than the right one (going back where it came from aside)
+  fork dN    another branch is open too, and the deepest of those wrong branches runs N cells
+             before it ends: to rule it out from the fork a policy must look N cells down it
+  stop       the agent stands on the goal
+
+The policy is scored teacher-forced, as sft.py scores its held-out accuracy: the conversation is
+the shortest path's own (same chat format, images and history as a real episode), and its top
+action at each turn is compared with the solver's. Held-out mazes against training mazes tells
+overfitting (right on the training mazes only) from underfitting (wrong on both), and the fork
+depths tell how far down a branch the policy has learned to see.
+"""
+
+import argparse
+import collections
+import random
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import rollout  # noqa: E402  (first: sets vLLM's environment)
+
+import env  # noqa: E402
+from launch.eval_policy import mazes_played  # noqa: E402
+
+
+def open_neighbours(maze, cell) -> list:
+    return [(cell[0] + dr, cell[1] + dc) for dr, dc in env.MOVE_DELTAS.values()
+            if maze.is_open((cell[0] + dr, cell[1] + dc))]
+
+
+def branch_depth(maze, cell, came_from) -> int:
+    """Cells in the longest walk that enters at `cell` from `came_from` and never turns back.
+    A perfect maze is a tree, so every such walk ends in a dead end (or passes the goal)."""
+    return 1 + max((branch_depth(maze, nxt, cell) for nxt in open_neighbours(maze, cell) if nxt != came_from),
+                   default=0)
+
+
+def turn_kinds(maze) -> list[str]:
+    """The kind of each turn of the maze's shortest path (env.solve), in order."""
+    kinds, cell, previous = [], maze.start, None
+    for action in env.solve(maze):
+        if action == env.STOP_ACTION:
+            kinds.append("stop")
+            continue
+        dr, dc = env.MOVE_DELTAS[env.ACTION_STRINGS.index(action)]
+        nxt = (cell[0] + dr, cell[1] + dc)
+        wrong = [other for other in open_neighbours(maze, cell) if other not in (nxt, previous)]
+        kinds.append(f"fork d{max(branch_depth(maze, w, cell) for w in wrong)}" if wrong else "corridor")
+        previous, cell = cell, nxt
+    return kinds
+
+
+def kind_order(kind: str):
+    return (kind != "corridor", kind == "stop", int(kind[6:]) if kind.startswith("fork d") else 0)
+
+
+def turn_accuracy(model_path: str, mazes: list) -> tuple[collections.Counter, collections.Counter]:
+    """(right, total) per kind of turn: the model's top action token against the solver's."""
+    import torch
+    from transformers import Qwen3VLForConditionalGeneration
+
+    import sft
+    from train import Batch
+
+    chat = rollout.ChatFormat.for_model(model_path)
+    reply_ids = {a: chat._ids(f"<answer>{a}</answer>") + [chat.end_of_reply_id] for a in env.ACTION_STRINGS}
+    answer_id = chat._ids("<answer>")[0]  # the action token is the one right after it
+    model = Qwen3VLForConditionalGeneration.from_pretrained(model_path, dtype=torch.float32).eval()
+    right, total = collections.Counter(), collections.Counter()
+    for maze in mazes:
+        # the whole shortest path as one conversation (full history), its replies masked in
+        sequences = sft.demonstration(maze, chat, reply_ids, random.Random(0), max_turns=len(env.solve(maze)),
+                                      max_images=None, cell_px=env.CELL_PX_TINY, noise=0.0)
+        inputs, mask, _ = Batch(sequences, chat.processor).micro([0], torch.device("cpu"))
+        with torch.no_grad():
+            logits = model(**inputs).logits[0, :-1]
+        targets = inputs["input_ids"][0, 1:]
+        at_action = ((mask[0] > 0) & (inputs["input_ids"][0, :-1] == answer_id)).nonzero().flatten().tolist()
+        kinds = turn_kinds(maze)
+        assert len(at_action) == len(kinds), "one action token per turn of the shortest path"
+        for kind, position in zip(kinds, at_action):
+            total[kind] += 1
+            right[kind] += int(logits[position].argmax() == targets[position])
+    return right, total
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="", help="HF model directory (an SFT model, or a base model)")
+    parser.add_argument("--difficulty", default="small", choices=list(env.DIFFICULTY_SIZES))
+    parser.add_argument("--n", type=int, default=64, help="mazes: evaluation seeds 0..n-1, or the first n training mazes")
+    parser.add_argument("--training-mazes", action="store_true", help="score the first n training mazes instead")
+    parser.add_argument("--census", action="store_true", help="no model: count the kinds of turn only")
+    args = parser.parse_args()
+    if not args.census and not args.model:
+        parser.error("give --model, or --census for the counts alone")
+
+    which = "training" if args.training_mazes else "evaluation"
+    mazes = mazes_played(args.difficulty, args.n, which)
+    if args.census:
+        total = collections.Counter(kind for maze in mazes for kind in turn_kinds(maze))
+        right = total
+    else:
+        right, total = turn_accuracy(args.model, mazes)
+    print(f"{args.difficulty} {which} mazes ({len(mazes)}), {sum(total.values())} turns of their shortest paths"
+          + ("" if args.census else ", teacher-forced accuracy per kind of turn") + ":")
+    for kind in sorted(total, key=kind_order):
+        print(f"  {kind:>9}: {total[kind]}" if args.census else
+              f"  {kind:>9}: {right[kind]}/{total[kind]} ({100 * right[kind] / total[kind]:.1f}%)")
+
+
+if __name__ == "__main__":
+    main()
