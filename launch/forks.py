@@ -1,6 +1,7 @@
 """Which decisions does a policy get wrong? Its accuracy on the shortest path, by kind of turn.
 
-    python launch/forks.py --model runs/main/sft/model [--n 64] [--training-mazes]
+    python launch/forks.py --model runs/main/sft/model [--adapter runs/main/grpo/adapters/step_100] [--n 64]
+    python launch/forks.py --model runs/main/sft/model --training-mazes --n 128
     python launch/forks.py --census [--difficulty small]       # no model: how common each kind is
 
 Every turn of a maze's shortest path is one of three kinds:
@@ -63,8 +64,9 @@ def kind_order(kind: str):
     return (kind != "corridor", kind == "stop", int(kind[6:]) if kind.startswith("fork d") else 0)
 
 
-def turn_accuracy(model_path: str, mazes: list) -> tuple[collections.Counter, collections.Counter]:
-    """(right, total) per kind of turn: the model's top action token against the solver's."""
+def turn_accuracy(model_path: str, mazes: list, adapter: str = "") -> tuple[collections.Counter, collections.Counter]:
+    """(right, total) per kind of turn: the model's (with `adapter`, a PEFT LoRA on it, such as a
+    GRPO export) top action token against the solver's."""
     import torch
     from transformers import Qwen3VLForConditionalGeneration
 
@@ -75,6 +77,12 @@ def turn_accuracy(model_path: str, mazes: list) -> tuple[collections.Counter, co
     reply_ids = {a: chat._ids(f"<answer>{a}</answer>") + [chat.end_of_reply_id] for a in env.ACTION_STRINGS}
     answer_id = chat._ids("<answer>")[0]  # the action token is the one right after it
     model = Qwen3VLForConditionalGeneration.from_pretrained(model_path, dtype=torch.float32).eval()
+    if adapter:
+        from peft import PeftModel
+
+        if not (Path(adapter) / "adapter_config.json").exists():
+            raise SystemExit(f"{adapter} is not a PEFT adapter directory (no adapter_config.json)")
+        model = PeftModel.from_pretrained(model, adapter).eval()
     right, total = collections.Counter(), collections.Counter()
     for maze in mazes:
         # the whole shortest path as one conversation (full history), its replies masked in
@@ -96,6 +104,7 @@ def turn_accuracy(model_path: str, mazes: list) -> tuple[collections.Counter, co
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="", help="HF model directory (an SFT model, or a base model)")
+    parser.add_argument("--adapter", default="", help="PEFT LoRA directory on top of the model (a GRPO export)")
     parser.add_argument("--difficulty", default="small", choices=list(env.DIFFICULTY_SIZES))
     parser.add_argument("--n", type=int, default=64, help="mazes: evaluation seeds 0..n-1, or the first n training mazes")
     parser.add_argument("--training-mazes", action="store_true", help="score the first n training mazes instead")
@@ -110,7 +119,7 @@ def main():
         total = collections.Counter(kind for maze in mazes for kind in turn_kinds(maze))
         right = total
     else:
-        right, total = turn_accuracy(args.model, mazes)
+        right, total = turn_accuracy(args.model, mazes, args.adapter)
     print(f"{args.difficulty} {which} mazes ({len(mazes)}), {sum(total.values())} turns of their shortest paths"
           + ("" if args.census else ", teacher-forced accuracy per kind of turn") + ":")
     for kind in sorted(total, key=kind_order):

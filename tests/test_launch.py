@@ -555,3 +555,15 @@ def test_forks_sorts_the_shortest_path_turns_by_how_deep_the_wrong_branch_goes(t
     expected = collections.Counter(k for m in env.eval_mazes("small", 2) for k in turn_kinds(m))
     assert counts == dict(expected) and {k: t for k, (_, t) in scored.items()} == dict(expected), proc.stdout
     assert all(0 <= r <= t for r, t in scored.values())
+
+    # with a GRPO-style LoRA on top every turn is still scored once; a directory that is not one is refused
+    from make_tiny_model import random_lora
+
+    random_lora(tiny_model, tmp_path / "lora")
+    with_lora = subprocess.run([sys.executable, "launch/forks.py", "--model", str(tiny_model), "--n", "2",
+                                "--adapter", str(tmp_path / "lora")], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert with_lora.returncode == 0, with_lora.stderr[-3000:]
+    assert {k: int(t) for k, _, t in re.findall(r"(\w+(?: d\d+)?): (\d+)/(\d+)", with_lora.stdout)} == dict(expected)
+    refused = subprocess.run([sys.executable, "launch/forks.py", "--model", str(tiny_model), "--n", "2",
+                              "--adapter", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert refused.returncode != 0 and "not a PEFT adapter directory" in refused.stderr
