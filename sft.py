@@ -44,7 +44,7 @@ from tqdm import tqdm  # noqa: E402
 
 import env  # noqa: E402
 import grpo  # noqa: E402
-from train import Batch, sequence_logprobs  # noqa: E402
+from train import Batch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent
 
@@ -94,6 +94,13 @@ def demonstration(maze, chat: rollout.ChatFormat, reply_ids: dict, rng: random.R
                 mask[len(seq.token_ids) - len(reply):len(seq.token_ids)] = [1] * len(reply)
         return [rollout.Sequence(last.token_ids, mask, [0.0] * len(mask), last.images)]
     return [s for s, keep in zip(episode.sequences, trained) if keep]
+
+
+def reply_tokens(chat: rollout.ChatFormat) -> tuple[dict, int]:
+    """The reply the model should learn for each action (the answer, then the end-of-turn token),
+    and the id of `<answer>`: the action token is the one right after it."""
+    reply_ids = {a: chat._ids(f"<answer>{a}</answer>") + [chat.end_of_reply_id] for a in env.ACTION_STRINGS}
+    return reply_ids, chat._ids("<answer>")[0]
 
 
 def training_mazes(difficulties: list[str]):
@@ -185,9 +192,7 @@ def main():
     rng = random.Random(args.seed)
     chat = rollout.ChatFormat.for_model(model_path)
     processor = chat.processor
-    # the reply the model should learn: the answer, then the end-of-turn token
-    reply_ids = {a: chat._ids(f"<answer>{a}</answer>") + [chat.end_of_reply_id] for a in env.ACTION_STRINGS}
-    answer_id = chat._ids("<answer>")[0]  # the action token is the one right after it
+    reply_ids, answer_id = reply_tokens(chat)
     model = Qwen3VLForConditionalGeneration.from_pretrained(model_path, dtype=torch.float32)
     model.train()
     model.model.visual.requires_grad_(not args.freeze_vision)

@@ -27,15 +27,18 @@ import rollout  # noqa: E402  (first: sets vLLM's environment)
 import env  # noqa: E402
 
 
+def adapter_config(adapter: str) -> dict:
+    """The adapter_config.json of a PEFT adapter directory; anything else is refused clearly."""
+    config_file = Path(adapter) / "adapter_config.json"
+    if not config_file.exists():
+        raise SystemExit(f"{adapter} is not a PEFT adapter directory (no adapter_config.json)")
+    return json.loads(config_file.read_text())
+
+
 def load_policy(model: str, adapter: str, max_turns: int):
     """An in-process vLLM engine for `model`, the LoRARequest for `adapter` (None if empty) and the
     model's chat format. A path that is not a PEFT adapter is refused before anything loads."""
-    rank = 8
-    if adapter:
-        config_file = Path(adapter) / "adapter_config.json"
-        if not config_file.exists():
-            raise SystemExit(f"{adapter} is not a PEFT adapter directory (no adapter_config.json)")
-        rank = json.loads(config_file.read_text())["r"]
+    rank = adapter_config(adapter)["r"] if adapter else 8
     engine = rollout.build_engine(model, max_model_len=4096, max_lora_rank=rank, seed=0, max_images=max_turns + 1)
     lora_request = None
     if adapter:

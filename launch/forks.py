@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 import rollout  # noqa: E402  (first: sets vLLM's environment)
 
 import env  # noqa: E402
-from launch.eval_policy import mazes_played  # noqa: E402
+from launch.eval_policy import adapter_config, mazes_played  # noqa: E402
 
 
 def open_neighbours(maze, cell) -> list:
@@ -74,26 +74,24 @@ def turn_accuracy(model_path: str, mazes: list, adapter: str = "") -> tuple[coll
     from train import Batch
 
     chat = rollout.ChatFormat.for_model(model_path)
-    reply_ids = {a: chat._ids(f"<answer>{a}</answer>") + [chat.end_of_reply_id] for a in env.ACTION_STRINGS}
-    answer_id = chat._ids("<answer>")[0]  # the action token is the one right after it
+    reply_ids, answer_id = sft.reply_tokens(chat)
     model = Qwen3VLForConditionalGeneration.from_pretrained(model_path, dtype=torch.float32).eval()
     if adapter:
         from peft import PeftModel
 
-        if not (Path(adapter) / "adapter_config.json").exists():
-            raise SystemExit(f"{adapter} is not a PEFT adapter directory (no adapter_config.json)")
+        adapter_config(adapter)  # refuses a directory that is not an adapter
         model = PeftModel.from_pretrained(model, adapter).eval()
     right, total = collections.Counter(), collections.Counter()
     for maze in mazes:
+        kinds = turn_kinds(maze)
         # the whole shortest path as one conversation (full history), its replies masked in
-        sequences = sft.demonstration(maze, chat, reply_ids, random.Random(0), max_turns=len(env.solve(maze)),
+        sequences = sft.demonstration(maze, chat, reply_ids, random.Random(0), max_turns=len(kinds),
                                       max_images=None, cell_px=env.CELL_PX_TINY, noise=0.0)
         inputs, mask, _ = Batch(sequences, chat.processor).micro([0], torch.device("cpu"))
         with torch.no_grad():
             logits = model(**inputs).logits[0, :-1]
         targets = inputs["input_ids"][0, 1:]
         at_action = ((mask[0] > 0) & (inputs["input_ids"][0, :-1] == answer_id)).nonzero().flatten().tolist()
-        kinds = turn_kinds(maze)
         assert len(at_action) == len(kinds), "one action token per turn of the shortest path"
         for kind, position in zip(kinds, at_action):
             total[kind] += 1
