@@ -308,24 +308,43 @@ class TrainMazeStream:
     of which 64 evaluation mazes take about a quarter; larger sizes have far too many to collide.
     """
 
-    def __init__(self, difficulty: str, position: int = 0, eval_n: int = 64):
+    def __init__(self, difficulty: str, position: int = 0, eval_n: int = 64, pool: int = 0):
         if eval_n > TRAIN_SEED_OFFSET:
             raise ValueError(f"eval_n must be at most {TRAIN_SEED_OFFSET} to keep seeds disjoint")
+        if pool < 0:
+            raise ValueError(f"pool must be >= 0 (0: endless), got {pool}")
         self.eval_n = eval_n
         self.difficulty = difficulty
         self.position = position  # seeds consumed so far, skipped ones included
         self._eval_keys = {m.layout_key() for m in eval_mazes(difficulty, eval_n)}
+        # pool > 0 replays the first `pool` training mazes over and over (a small set to overfit:
+        # the check that a learner can learn at all); _pool_end is the seed position just past them
+        self.pool = pool
+        self._pool_end = self._position_after(pool)
 
-    def next(self) -> Maze:
+    def _position_after(self, n: int) -> int:
+        position = 0
+        for _ in range(n):
+            position = self._next_from(position)[1]
+        return position
+
+    def _next_from(self, position: int) -> tuple:
+        """The first training maze at or after seed `position`, and the position after it."""
         for _ in range(MAX_CONSECUTIVE_SKIPS):
-            maze = generate_maze(_size_of(self.difficulty), TRAIN_SEED_OFFSET + self.position)
-            self.position += 1
+            maze = generate_maze(_size_of(self.difficulty), TRAIN_SEED_OFFSET + position)
+            position += 1
             if maze.layout_key() not in self._eval_keys:
-                return maze
+                return maze, position
         raise RuntimeError(
             f"{MAX_CONSECUTIVE_SKIPS} consecutive {self.difficulty!r} training mazes all share a layout "
             f"with one of the {self.eval_n} evaluation mazes: this size has too few layouts; lower eval_n"
         )
+
+    def next(self) -> Maze:
+        if self.pool and self.position >= self._pool_end:
+            self.position = 0
+        maze, self.position = self._next_from(self.position)
+        return maze
 
     __next__ = next
 
@@ -339,6 +358,7 @@ class TrainMazeStream:
         if state["difficulty"] != self.difficulty:
             self.difficulty = state["difficulty"]
             self._eval_keys = {m.layout_key() for m in eval_mazes(self.difficulty, self.eval_n)}
+            self._pool_end = self._position_after(self.pool)
         self.position = int(state["position"])
 
 # -----------------------------------------------------------------------------

@@ -103,10 +103,11 @@ def reply_tokens(chat: rollout.ChatFormat) -> tuple[dict, int]:
     return reply_ids, chat._ids("<answer>")[0]
 
 
-def training_mazes(difficulties: list[str]):
+def training_mazes(difficulties: list[str], pool: int = 0):
     """Each size's training stream (never an evaluation layout of that size), and an endless
-    iterator that takes one maze from each stream in turn."""
-    streams = [env.TrainMazeStream(d) for d in difficulties]
+    iterator that takes one maze from each stream in turn. `pool` > 0: each stream replays its
+    first `pool` mazes (env.TrainMazeStream)."""
+    streams = [env.TrainMazeStream(d, pool=pool) for d in difficulties]
     return streams, (streams[i % len(streams)].next() for i in itertools.count())
 
 
@@ -168,6 +169,8 @@ def main():
     parser.add_argument("--also-train-on", default="",
                         help="comma-separated other sizes whose training mazes are mixed in, one maze in turn from "
                              "each stream: many more layouts than 7x7's 135 training ones, against memorising them")
+    parser.add_argument("--train-pool", type=int, default=0,
+                        help="0: new training mazes throughout; N: the first N over and over (a set to overfit)")
     parser.add_argument("--noise", type=float, default=0.0, help="chance, per on-path turn, of starting a detour")
     parser.add_argument("--max-detour", type=int, default=3, help="longest detour, in wrong moves")
     parser.add_argument("--max-turns", type=int, default=15)
@@ -201,8 +204,9 @@ def main():
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / args.warmup)
                                                  * 0.5 * (1 + math.cos(math.pi * min(s / args.steps, 1.0))))
 
-    streams, mazes = training_mazes([args.difficulty, *filter(None, args.also_train_on.split(","))])
-    pool, log, t_start = [], [], time.time()
+    _, mazes = training_mazes([args.difficulty, *filter(None, args.also_train_on.split(","))],
+                              pool=args.train_pool)
+    pool, log, t_start, mazes_seen = [], [], time.time(), 0
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     bar = tqdm(range(args.steps), desc="sft", unit="step")
@@ -211,6 +215,7 @@ def main():
             pool += demonstration(next(mazes), chat, reply_ids, rng, max_turns=args.max_turns,
                                   max_images=args.max_images or None, cell_px=args.cell_px, noise=args.noise,
                                   max_detour=args.max_detour)
+            mazes_seen += 1
         rng.shuffle(pool)
         sequences, pool = pool[:args.batch_size], pool[args.batch_size:]
         batch = Batch(sequences, processor)
@@ -232,7 +237,7 @@ def main():
             bar.set_postfix(loss=f"{recent[-1]['loss']:.3f}", acc=f"{acc:.2f}")
             with open(out / "sft_metrics.jsonl", "a") as f:
                 f.write(json.dumps({**log[-1], "action_accuracy_avg": acc, "wall_s": time.time() - t_start,
-                                    "mazes_seen": sum(s.position for s in streams)}) + "\n")
+                                    "mazes_seen": mazes_seen}) + "\n")
 
     # Does the policy read the image? Demonstrations on the held-out evaluation mazes (evaluated on,
     # never trained on), with their real images and with shuffled ones.

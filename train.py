@@ -58,6 +58,9 @@ class Config:
     max_new_tokens: int = 32  # per turn
     max_model_len: int = 4096
     max_images: int = 0  # keep only the last k images in the conversation; 0: full history
+    # 0: an endless stream of new training mazes; N: the first N training mazes over and over
+    # (overfitting a small set shows whether the loop learns at all, apart from generalising)
+    train_pool: int = 0
     # GRPO
     steps: int = 20
     prompts_per_step: int = 8  # mazes per step over all ranks; each is played group_size times
@@ -124,6 +127,8 @@ class Config:
                      "ckpt_interval", "export_interval", "keep_checkpoints", "keep_syncs"):
             if getattr(self, name) < 1:
                 problems.append(f"{name} must be >= 1")
+        if self.train_pool < 0:
+            problems.append("train_pool must be >= 0 (0: endless stream of new mazes)")
         if not 0 <= self.train_max_turns <= self.max_turns:
             problems.append("train_max_turns must be between 0 (= max_turns) and max_turns")
         if problems:
@@ -744,7 +749,7 @@ def main(cfg: Config):
         return 1.0
 
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
-    stream = env.TrainMazeStream(cfg.difficulty, eval_n=cfg.eval_mazes)
+    stream = env.TrainMazeStream(cfg.difficulty, eval_n=cfg.eval_mazes, pool=cfg.train_pool)
 
     start_step, hours = 0, 0.0
     ckpt = broadcast_object(str(find_checkpoint(cfg, out) or ""))  # rank 0 decides for all

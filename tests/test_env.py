@@ -314,6 +314,18 @@ def test_stream_resumes_exactly():
     assert loaded.difficulty == "small" and [loaded.next() for _ in range(20)] == following
 
 
+def test_pool_replays_the_first_training_mazes_in_order_and_resumes():
+    endless = TrainMazeStream("small")
+    first_five = [endless.next() for _ in range(5)]
+    pool = TrainMazeStream("small", pool=5)
+    played = [pool.next() for _ in range(12)]
+    assert played == first_five + first_five + first_five[:2]
+    resumed = TrainMazeStream("small", pool=5, position=pool.state_dict()["position"])
+    assert [resumed.next() for _ in range(4)] == first_five[2:] + first_five[:1]
+    with pytest.raises(ValueError, match="pool"):
+        TrainMazeStream("small", pool=-1)
+
+
 def test_tiny_stream_fails_loudly_when_eval_covers_every_layout():
     all_tiny_layouts = {m.layout_key() for m in eval_mazes("tiny", 500)}
     assert len(all_tiny_layouts) == 4  # the 4 spanning trees of 2x2 rooms

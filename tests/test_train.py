@@ -207,6 +207,8 @@ def test_bad_config_is_a_clear_error():
         train.Config(difficulty="impossible").validate(world_size=1)
     with pytest.raises(SystemExit, match="train_max_turns"):
         train.Config(max_turns=15, train_max_turns=16).validate(world_size=1)
+    with pytest.raises(SystemExit, match="train_pool"):
+        train.Config(train_pool=-1).validate(world_size=1)
     cfg = train.parse_config(["--steps", "7", "--scale-adv-by-std", "false", "--lr", "0.5"])
     assert (cfg.steps, cfg.scale_adv_by_std, cfg.lr) == (7, False, 0.5)
 
