@@ -26,7 +26,7 @@ import signal
 import socket
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import rollout  # first: sets vLLM's environment before anything imports vllm

@@ -2,7 +2,6 @@
 
 import json
 import multiprocessing
-import os
 import subprocess
 import sys
 from pathlib import Path
