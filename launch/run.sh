@@ -9,9 +9,10 @@
 #
 # Extra arguments go to train.py (they override the defaults below). OUT holds everything; the
 # SFT model is reused if it is already there, and train.py resumes from its latest checkpoint, so
-# a killed job continues where it stopped. SFT_STEPS sets the warm start's length (2,000: about
-# 15 visits of every 7x7 training layout and corner, which held-out play needs; README), SFT_NOISE
-# the share of its demonstrations' turns that start a detour (0: clean shortest paths).
+# a killed job continues where it stopped. SFT_STEPS sets the warm start's length (3,000: about
+# 22 visits of every 7x7 training layout and corner; held-out play follows how well those are
+# fitted, README), SFT_NOISE the share of its demonstrations' turns that start a detour (0: clean
+# shortest paths).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 start=$(date +%s)
@@ -23,7 +24,7 @@ seed="${SEED:-0}"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(nproc)}"
 if [ ! -f "$out/sft/model/config.json" ]; then
   .venv/bin/python sft.py --out "$out/sft" --difficulty "$difficulty" --seed "$seed" \
-    --steps "${SFT_STEPS:-2000}" --noise "${SFT_NOISE:-0}"
+    --steps "${SFT_STEPS:-3000}" --noise "${SFT_NOISE:-0}"
 fi
 .venv/bin/python train.py --model "$out/sft/model" --out-dir "$out/grpo" --difficulty "$difficulty" --seed "$seed" \
   --lora-rank 8 --steps 100 --prompts-per-step 4 --group-size 8 --max-new-tokens 8 --lr 1e-3 \
