@@ -352,13 +352,16 @@ class TrainMazeStream:
         return self
 
     def state_dict(self) -> dict:
-        return {"difficulty": self.difficulty, "position": self.position}
+        """Everything the stream is built from, and where it stands."""
+        return {"difficulty": self.difficulty, "eval_n": self.eval_n, "pool": self.pool, "position": self.position}
 
     def load_state_dict(self, state: dict) -> None:
-        if state["difficulty"] != self.difficulty:
-            self.difficulty = state["difficulty"]
-            self._eval_keys = {m.layout_key() for m in eval_mazes(self.difficulty, self.eval_n)}
-            self._pool_end = self._position_after(self.pool)
+        """Continue a saved stream; one built otherwise (other size, evaluation set or pool) is refused.
+        (States saved before eval_n and pool were recorded are taken as this stream's.)"""
+        built = {k: state.get(k, getattr(self, k)) for k in ("difficulty", "eval_n", "pool")}
+        mine = {k: getattr(self, k) for k in built}
+        if built != mine:
+            raise ValueError(f"the saved maze stream was built with {built}, this one with {mine}")
         self.position = int(state["position"])
 
 # -----------------------------------------------------------------------------

@@ -11,6 +11,8 @@ References
   k3 KL      Schulman 2020, "Approximating KL Divergence", http://joschu.net/blog/kl-approx.html
   GiGPO      Feng et al. 2025, "Group-in-Group Policy Optimization for LLM Agent Training"
              (arXiv:2505.10978), Sec. 3: step-level advantages from repeated states
+  TIS        Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL
+             Training" (blog post; verl's and SkyRL's truncated importance sampling)
 """
 
 from __future__ import annotations
@@ -87,9 +89,9 @@ def gather_group_advantages(local_rewards: Tensor, local_group_ids: Tensor, scal
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return _advantages_and_stats(local_rewards, local_group_ids, scale_by_std, eps)
 
+    # The tensors stay where they are: the trainer's process group carries CPU tensors over gloo
+    # and CUDA ones over NCCL (distributed.py), so a CPU reward vector needs no trip to the GPU.
     device = local_rewards.device
-    if device.type == "cpu" and dist.get_backend() == "nccl":  # NCCL only moves CUDA tensors
-        device = torch.device("cuda", torch.cuda.current_device())
     world, rank = dist.get_world_size(), dist.get_rank()
 
     n = torch.tensor([local_rewards.numel()], dtype=torch.int64, device=device)
@@ -139,6 +141,36 @@ def step_advantages(returns: Tensor, anchor_ids: Tensor, scale_by_std: bool = Tr
     return _advantages_and_stats(returns, anchor_ids, scale_by_std, eps)[0]
 
 
+def turn_values(episode_advantage: float, step_advantages: list[float], weight: float) -> list[float]:
+    """GiGPO's combined advantage of each turn of one episode (Feng et al. 2025, Sec. 3):
+        A_t = A^E + w * A^S_t
+    w = 0 is plain GRPO: every turn carries the episode's advantage."""
+    return [episode_advantage + weight * a for a in step_advantages]
+
+
+def spread_over_replies(response_mask: list[int], values: list[float]) -> Tensor:
+    """A per-token advantage row for one sequence: every token of its k-th reply (the k-th run of
+    1s in the mask) carries values[k]; prompt and observation tokens carry 0.
+
+    The row is aligned with the trainer's shifted targets (entry j is about token j + 1), so it
+    drops the first token, which nothing predicts. len(values) must equal the number of replies."""
+    row, k, inside = torch.zeros(len(response_mask) - 1), -1, False
+    for j, m in enumerate(response_mask[1:]):
+        if m and not inside:  # a reply starts
+            k += 1
+        if m:
+            row[j] = values[k]
+        inside = bool(m)
+    if k + 1 != len(values):
+        raise ValueError(f"{k + 1} replies in the mask, {len(values)} values")
+    return row
+
+
+def reply_count(response_mask: list[int]) -> int:
+    """How many replies (runs of 1s) a response mask holds."""
+    return sum(1 for j, m in enumerate(response_mask) if m and (j == 0 or not response_mask[j - 1]))
+
+
 # ----------------------------------------------------------------------------- per-token math
 
 def masked_mean(x: Tensor, mask: Tensor, dim=None) -> Tensor:
@@ -160,7 +192,8 @@ def kl_k3(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
 def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, response_mask: Tensor,
                 clip_eps_low: float = 0.2, clip_eps_high: float = 0.2, aggregation: str = "token-mean",
                 loss_normalizer: float | Tensor | None = None, ref_logprobs: Tensor | None = None,
-                kl_coef: float = 0.0) -> tuple[Tensor, dict]:
+                kl_coef: float = 0.0, rollout_logprobs: Tensor | None = None,
+                tis_cap: float = 0.0) -> tuple[Tensor, dict]:
     """GRPO's clipped surrogate loss (to minimise) and detached float metrics.
 
     logprobs (with grad), old_logprobs, response_mask, ref_logprobs: [B, T];
@@ -179,6 +212,9 @@ def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, resp
           length-unbiased sum (Liu et al. 2025, Sec. 3.1).
       "seq-mean": mean over each sequence's masked tokens, then sum over sequences /
           loss_normalizer (default B) -- the original GRPO objective (Shao et al. Eq. 3).
+
+    rollout_logprobs with tis_cap > 0: truncated importance sampling (TIS) for the gap between the
+    engine that sampled and the trainer (different kernels; bf16 on a GPU), see below.
     """
     mask = response_mask.bool()
     zero = torch.zeros_like(logprobs)
@@ -198,6 +234,20 @@ def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, resp
     surr_unclipped = ratio * A
     surr_clipped = torch.clamp(ratio, 1 - clip_eps_low, 1 + clip_eps_high) * A
     per_token = -torch.minimum(surr_unclipped, surr_clipped)
+
+    # Truncated importance sampling (Yao et al. 2025, "Your Efficient RL Framework Secretly Brings
+    # You Off-Policy RL Training"; verl's and SkyRL's TIS). The tokens were sampled by the engine,
+    # pi_rollout, not by the trainer's pi_old: their numerics differ (on a GPU, bf16 with other
+    # kernels: |log pi_old - log pi_rollout| ~ 1e-3..1e-2). Reweight each token by
+    #   w_t = min( pi_old(o_t) / pi_rollout(o_t) , C ),   L_t <- w_t * L_t
+    # w is a constant (no gradient); the cap C bounds the variance a few outlier tokens could add.
+    # On a CPU in fp32 the two agree to ~1e-7, so w = 1 to about 1e-6.
+    tis_weight = None
+    if rollout_logprobs is not None and tis_cap > 0:
+        rollout = torch.where(mask, rollout_logprobs.detach().to(logp.dtype), zero)
+        raw_weight = torch.exp(old - rollout)
+        tis_weight = torch.clamp(raw_weight, max=tis_cap)
+        per_token = tis_weight * per_token
     pg_per_token = per_token
 
     kl = None
@@ -232,6 +282,9 @@ def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, resp
             "ratio_mean": masked_mean(ratio, mask).item(),
             "kl": masked_mean(kl, mask).item() if kl is not None else 0.0,
             "pg_loss": aggregate(pg_per_token).item(),
+            "tis_weight_mean": masked_mean(tis_weight, mask).item() if tis_weight is not None else 1.0,
+            "tis_capped_frac": ((raw_weight > tis_cap) & mask).sum().item() / max(mask.sum().item(), 1)
+            if tis_weight is not None else 0.0,
         }
     return loss, metrics
 

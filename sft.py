@@ -28,7 +28,6 @@ the fork decisions that decide a maze get all of the signal.
 import argparse
 import itertools
 import json
-import math
 import os
 import random
 import shutil
@@ -44,7 +43,7 @@ from tqdm import tqdm  # noqa: E402
 
 import env  # noqa: E402
 import grpo  # noqa: E402
-from train import Batch  # noqa: E402
+import policy  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent
 
@@ -143,7 +142,7 @@ def action_accuracy(model, processor, sequences: list, answer_id: int, shuffle_i
         pool = [image for s in sequences for image in s.images]
         sequences = [rollout.Sequence(s.token_ids, s.response_mask, s.rollout_logprobs,
                                       [shuffle_images.choice(pool) for _ in s.images]) for s in sequences]
-    batch = Batch(sequences, processor)
+    batch = policy.Batch(sequences, processor, model)
     right = total = 0
     was_training = model.training
     model.eval()
@@ -184,13 +183,11 @@ def main():
                         help="with --freeze-vision 0: the vision tower's learning rate (0: --lr)")
     args = parser.parse_args()
 
-    from transformers import GenerationConfig, Qwen3VLForConditionalGeneration
+    from transformers import GenerationConfig, Qwen3VLForConditionalGeneration, get_scheduler
 
-    if args.model:
-        model_path = args.model
-    else:
-        from launch.make_tiny_model import ensure_tiny_model
-        model_path = str(ensure_tiny_model())
+    model_path = policy.resolve_model(args.model, collective=False)
+    out = Path(args.out)
+    policy.check_writable(out)
     torch.manual_seed(args.seed)
     rng = random.Random(args.seed)
     chat = rollout.ChatFormat.for_model(model_path)
@@ -201,14 +198,11 @@ def main():
     model.model.visual.requires_grad_(not args.freeze_vision)
     optimizer = make_optimizer(model, args.lr, args.vision_lr)
     # linear warm-up, then a cosine decay to zero at the last step
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / args.warmup)
-                                                 * 0.5 * (1 + math.cos(math.pi * min(s / args.steps, 1.0))))
+    schedule = get_scheduler("cosine", optimizer, num_warmup_steps=args.warmup, num_training_steps=args.steps)
 
     _, mazes = training_mazes([args.difficulty, *filter(None, args.also_train_on.split(","))],
                               pool=args.train_pool)
     pool, log, t_start, mazes_seen = [], [], time.time(), 0
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     bar = tqdm(range(args.steps), desc="sft", unit="step")
     for step in bar:
         while len(pool) < args.batch_size:
@@ -218,7 +212,7 @@ def main():
             mazes_seen += 1
         rng.shuffle(pool)
         sequences, pool = pool[:args.batch_size], pool[args.batch_size:]
-        batch = Batch(sequences, processor)
+        batch = policy.Batch(sequences, processor, model)  # a frozen vision tower encodes each image once
         inputs, mask, _ = batch.micro(list(range(len(sequences))), torch.device("cpu"))
         logits = model(**inputs).logits[:, :-1]
         logprobs = grpo.token_logprobs(logits, inputs["input_ids"][:, 1:])

@@ -89,7 +89,7 @@ def log(*args):
 
 
 def tiny_model() -> str:
-    from launch.make_tiny_model import ensure_tiny_model
+    from tiny_model import ensure_tiny_model
 
     return str(ensure_tiny_model())
 
@@ -159,7 +159,7 @@ def bench_rollout(args) -> dict:
     mazes = [env.generate_maze(size, 2_000_000 + i) for i in range(p["mazes"])]  # fixed seeds, never training's
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-adapter-"))
-    from launch.make_tiny_model import random_lora
+    from tiny_model import random_lora
 
     hf_model = random_lora(model_path, tmp, rank=p["lora_rank"], seed=0, b_std=0.02)
     lora = LoRARequest("bench", 1, str(tmp))
@@ -357,7 +357,7 @@ def bench_train(args) -> dict:
 def bench_sync_8b(args) -> dict:
     """Write and load a random rank-32 LoRA with Qwen3-VL-8B's shape, as the sync path does.
 
-    Write: safetensors save + fsync (train.write_adapter also fsyncs). Load: safetensors load
+    Write: safetensors save + fsync (checkpoint.write_adapter also fsyncs). Load: safetensors load
     (what PEFT reads), and vLLM's own adapter parsing (`LoRAModel.from_local_checkpoint`, the call
     its worker makes on every new adapter, on the CPU, before copying it into the device slot).
     The file was just written, so reads come from the page cache: a shared network filesystem

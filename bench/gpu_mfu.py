@@ -3,7 +3,7 @@
     python bench/gpu_mfu.py            # on a GPU: the 8B shape, random weights, ~8k-token sequences
     python bench/gpu_mfu.py --tiny     # anywhere, CPU included: a tiny config, to smoke-test this script
 
-What runs is the trainer's update (train.build_policy + train.grpo_update) without the rest:
+What runs is the trainer's update (policy.build_policy + train.grpo_update) without the rest:
 a randomly initialised Qwen3VLForConditionalGeneration of the Qwen3-VL-8B shape (bench/shapes.py;
 built from the config, nothing downloaded), bf16, PEFT LoRA rank 32 on the language model's
 linear layers, FSDP2 on a one-GPU mesh (each decoder layer, then the root; bf16 compute, fp32
@@ -58,7 +58,7 @@ TINY_IDS = dict(image_token_id=6, video_token_id=7, vision_start_token_id=3, vis
 
 
 def build_model(text: dict, vision: dict, ids: dict, rank: int, device, dtype, grad_ckpt: bool):
-    """Random Qwen3-VL + PEFT LoRA + FSDP2, the way train.build_policy builds the real one."""
+    """Random Qwen3-VL + PEFT LoRA + FSDP2, the way policy.build_policy builds the real one."""
     from peft import LoraConfig, get_peft_model
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard

@@ -13,6 +13,15 @@ stack="${GRPO_STACK:-auto}"
 if [ "$stack" = auto ]; then
   if command -v nvidia-smi >/dev/null 2>&1 && [ "$(nvidia-smi -L 2>/dev/null | grep -c GPU)" -gt 0 ]; then stack=gpu; else stack=cpu; fi
 fi
+if [ "$stack" = gpu ] && command -v nvidia-smi >/dev/null 2>&1; then
+  # The pinned GPU wheels (vllm 0.33, torch 2.14) are CUDA 13 builds: they need driver 580 or newer.
+  driver="$(nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null | head -1)"
+  if [ -n "$driver" ] && [ "${driver%%.*}" -lt 580 ] 2>/dev/null; then
+    echo "[setup] NVIDIA driver $driver is too old for the CUDA 13 wheels in requirements.txt (they need >= 580):" \
+         "update the driver, or pin CUDA 12 builds of torch and vllm yourself" >&2
+    exit 2
+  fi
+fi
 case "$stack" in
   cpu) reqs=(-r requirements-cpu.txt --override requirements-cpu-override.txt) ;;
   gpu) reqs=(-r requirements.txt) ;;
@@ -33,4 +42,4 @@ else
   echo "$stamp_want" > .venv/.grpo-stack
 fi
 
-.venv/bin/python launch/make_tiny_model.py
+.venv/bin/python tiny_model.py

@@ -35,8 +35,11 @@ fi
 gpus="$( (nvidia-smi -L 2>/dev/null || true) | grep -c "^GPU" || true)"
 if [ "$gpus" -gt 0 ]; then
   # GPU: one process per visible GPU (torchrun's "gpu" counts them, CUDA_VISIBLE_DEVICES included);
-  # NCCL and vLLM need nothing from us here.
+  # NCCL and vLLM need nothing from us here. Each process gets its share of the cores for its
+  # CPU work (image preprocessing, the env); torchrun alone would give each one thread.
   NPROC_PER_NODE="${NPROC_PER_NODE:-gpu}"
+  per_node="$([ "$NPROC_PER_NODE" = gpu ] && echo "$gpus" || echo "$NPROC_PER_NODE")"
+  export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( $(nproc) / per_node > 0 ? $(nproc) / per_node : 1 ))}"
 else
   # CPU: the processes share the cores, so split them instead of each taking all of them
   # (torchrun alone would set 1 thread per process). vLLM's CPU backend sizes its KV cache from

@@ -305,13 +305,17 @@ def test_stream_resumes_exactly():
     for _ in range(100):
         stream.next()
     state = stream.state_dict()
-    assert state == {"difficulty": "small", "position": stream.position}
+    assert state == {"difficulty": "small", "eval_n": 64, "pool": 0, "position": stream.position}
     following = [stream.next() for _ in range(20)]
     resumed = TrainMazeStream("small", position=state["position"])
     assert [resumed.next() for _ in range(20)] == following
-    loaded = TrainMazeStream("easy")
+    loaded = TrainMazeStream("small")
     loaded.load_state_dict(state)
-    assert loaded.difficulty == "small" and [loaded.next() for _ in range(20)] == following
+    assert [loaded.next() for _ in range(20)] == following
+    # a stream built otherwise (another size, evaluation set or pool) does not take the state
+    for other in (TrainMazeStream("easy"), TrainMazeStream("small", eval_n=8), TrainMazeStream("small", pool=4)):
+        with pytest.raises(ValueError, match="built with"):
+            other.load_state_dict(state)
 
 
 def test_pool_replays_the_first_training_mazes_in_order_and_resumes():

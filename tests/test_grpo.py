@@ -22,8 +22,11 @@ from grpo import (  # noqa: E402
     logprob_mismatch,
     masked_mean,
     policy_loss,
+    reply_count,
+    spread_over_replies,
     step_advantages,
     token_logprobs,
+    turn_values,
 )
 
 # ----------------------------------------------------------------------------- advantages
@@ -181,6 +184,42 @@ def test_clipping_zeroes_gradient_and_counts():
                         clip_eps_low=eps_low, clip_eps_high=0.5)
         assert (g[0, 0] == 0) == clipped
         assert m["clip_frac"] == pytest.approx(0.25 if clipped else 0.0)
+
+
+def test_truncated_importance_sampling_weights_each_token_by_the_capped_ratio():
+    # pi_old / pi_rollout per token: 1 (the engine agreed), 1.5, 3 (capped at 2), 0.5
+    old = torch.log(torch.tensor([[0.5, 0.3, 0.6, 0.2]]))
+    rollout = old - torch.log(torch.tensor([[1.0, 1.5, 3.0, 0.5]]))
+    mask = torch.ones(1, 4)
+    plain_loss, _, plain = _grad(old, old_logprobs=old, advantages=torch.tensor([1.0]), response_mask=mask)
+    loss, m, g = _grad(old, old_logprobs=old, advantages=torch.tensor([1.0]), response_mask=mask,
+                       rollout_logprobs=rollout, tis_cap=2.0)
+    # L_t <- min(ratio, C) * L_t: the gradient of each token scaled by its weight
+    torch.testing.assert_close(g, plain * torch.tensor([[1.0, 1.5, 2.0, 0.5]]))
+    assert loss.item() == pytest.approx(plain_loss.item() * (1 + 1.5 + 2 + 0.5) / 4)
+    assert m["tis_weight_mean"] == pytest.approx(5 / 4) and m["tis_capped_frac"] == pytest.approx(0.25)
+    # off (cap 0), or no rollout logprobs: the plain loss, weight reported as 1
+    for kw in (dict(rollout_logprobs=rollout, tis_cap=0.0), dict()):
+        loss2, m2, g2 = _grad(old, old_logprobs=old, advantages=torch.tensor([1.0]), response_mask=mask, **kw)
+        assert torch.equal(g2, plain) and m2["tis_weight_mean"] == 1.0 and m2["tis_capped_frac"] == 0.0
+    # masked positions: no weight, whatever the rollout said there
+    mask = torch.tensor([[1.0, 1.0, 0.0, 0.0]])
+    _, m, _ = _grad(old, old_logprobs=old, advantages=torch.tensor([1.0]), response_mask=mask,
+                    rollout_logprobs=rollout, tis_cap=2.0)
+    assert m["tis_weight_mean"] == pytest.approx(1.25) and m["tis_capped_frac"] == 0.0
+
+
+def test_each_reply_carries_its_turns_advantage():
+    # prompt, reply 0 (2 tokens), observation, reply 1 (3 tokens): the row drops the first token
+    mask = [0, 0, 1, 1, 0, 0, 0, 1, 1, 1]
+    assert reply_count(mask) == 2 and reply_count([1, 1, 0, 1]) == 2 and reply_count([0, 0]) == 0
+    values = turn_values(0.5, [0.2, -0.4], weight=0.5)  # A_t = A_episode + w * A_step_t
+    assert values == pytest.approx([0.6, 0.3])
+    row = spread_over_replies(mask, values)
+    torch.testing.assert_close(row, torch.tensor([0, 0.6, 0.6, 0, 0, 0, 0.3, 0.3, 0.3]))
+    assert turn_values(0.5, [0.2, -0.4], weight=0.0) == [0.5, 0.5]  # plain GRPO
+    with pytest.raises(ValueError, match="2 replies in the mask, 3 values"):
+        spread_over_replies(mask, [1.0, 2.0, 3.0])
 
 
 def test_masked_positions_contribute_nothing():

@@ -8,7 +8,6 @@
   torchrun command lines a cluster needs.
 """
 
-import collections
 import json
 import os
 import shlex
@@ -25,7 +24,6 @@ import pytest
 import yaml
 
 import env
-import train
 
 ROOT = Path(__file__).resolve().parent.parent
 # Smaller than test_train.py's runs: 2 evaluation mazes, evaluation only at the start and the end.
@@ -201,22 +199,6 @@ def test_kill_during_a_checkpoint_write_loads_the_previous_checkpoint(tmp_path, 
     assert not list(ckpts.glob(".*")), "the next checkpoint clears what the crash left"
 
 
-def test_torn_metrics_lines_and_leftover_dirs(tmp_path):
-    """What a crash can leave besides a temp checkpoint: a cut-off metrics line, trash dirs."""
-    assert train.metrics_step('{"step": 3, "reward_mean": 0.5}') == 3
-    assert train.metrics_step('{"step": 4, "rew') is None and train.metrics_step("") is None
-    for name in ("step_1", "step_2", "step_3", ".step_4.tmp-ab", ".step_1.trash-cd"):
-        (tmp_path / name).mkdir()
-    train.prune(tmp_path, "step_", keep=2)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_2", "step_3"]
-    # a run resumed at step 1 writes step_1 again: the abandoned run's later dirs go, not it
-    train.prune(tmp_path, "step_", keep=1, current=1)
-    assert sorted(p.name for p in tmp_path.iterdir()) == []
-    (tmp_path / "step_1").mkdir(), (tmp_path / "step_5").mkdir(), (tmp_path / "step_6").mkdir()
-    train.prune(tmp_path, "step_", keep=1, current=1)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_1"]
-
-
 def test_torchrun_sh_command_lines():
     def dry(**env_vars):
         proc = subprocess.run(["bash", "launch/torchrun.sh", "--steps", "3"], cwd=ROOT, capture_output=True,
@@ -381,189 +363,3 @@ def test_report_tables_come_from_the_logged_files(tmp_path):
     from launch.report import solvable
     assert solvable("easy", 64, 15) < 64 == solvable("easy", 64, 21)
     assert (a / "solve_rate.png").exists() and (a / "final_episode.gif").exists()
-
-
-def test_seeds_script_runs_each_seed_and_plays_it_on_the_other_size(tmp_path):
-    """launch/seeds.sh end to end, shrunk: per seed a whole main job (SFT, GRPO, report), the SFT
-    and the final GRPO policy played on the other maze size, then one table over the seeds whose
-    numbers are the ones the runs logged."""
-    environ = dict(os.environ, SEEDS="0 1", SFT_STEPS="2", GRPO_STEPS="1", EVAL_MAZES="2", RUNS_DIR=str(tmp_path))
-    proc = subprocess.run(["bash", "launch/seeds.sh"], cwd=ROOT, env=environ, capture_output=True, text=True,
-                          timeout=900)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    lines = proc.stdout.splitlines()
-    for seed in (0, 1):
-        run = tmp_path / f"small-seed{seed}"
-        evals = {p.name: json.loads(p.read_text()) for p in (run / "grpo" / "eval").glob("step_*.json")}
-        assert sorted(evals) == ["step_0.json", "step_1.json"] and evals["step_1.json"]["total"] == 2
-        assert json.loads((run / "grpo" / "config.json").read_text())["seed"] == seed
-        assert (run / "grpo" / "adapters" / "step_1").is_dir()
-        final = evals["step_1.json"]
-        row = next(line for line in lines if line.startswith(f"| {run / 'grpo'} | {seed} |"))
-        assert f"| {100 * final['solve_rate']:.1f}% (1) |" in row  # the final column is the logged eval
-        for policy, adapter in (("sft", ""), ("grpo", str(run / "grpo" / "adapters" / "step_1"))):
-            result = json.loads((run / "generalisation" / f"easy-{policy}.json").read_text())
-            assert result["difficulty"] == "easy" and result["total"] == 2 and result["adapter"] == adapter
-            label = "SFT + GRPO" if adapter else "SFT"
-            assert f"| {run / 'grpo'} | {label} | easy | {result['solved']}/2 |" in lines
-    assert any(line.startswith("| mean ± std |") for line in lines)
-
-
-def test_eval_policy_plays_the_held_out_mazes_like_the_trainer(tmp_path, tiny_model, engine):
-    """launch/eval_policy.py (the generalisation check) plays greedily through the same chat path
-    as train.py's evaluation: its per-maze replies match rollout.play_chat_episodes on an engine
-    of our own. A path that is not an adapter is refused with a clear message."""
-    import rollout
-
-    out = tmp_path / "gen" / "easy.json"
-    proc = subprocess.run([sys.executable, "launch/eval_policy.py", "--model", str(tiny_model), "--difficulty", "easy",
-                           "--n", "2", "--max-turns", "3", "--out", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(out.read_text())
-    assert result["difficulty"] == "easy" and result["total"] == 2 and len(result["mazes"]) == 2
-    assert result["solved"] == sum(m["solved"] for m in result["mazes"])
-    chat = rollout.ChatFormat.for_model(str(tiny_model))
-    mine = rollout.play_chat_episodes(env.eval_mazes("easy", 2), rollout.engine_replies(engine, None, 8, chat.banned_token_ids),
-                                      max_turns=3, progress=False)
-    assert [m["replies"] for m in result["mazes"]] == [e.replies for e in mine]
-    assert not list(out.parent.glob("*.tmp-*"))  # written atomically
-
-    # --training-mazes: the training stream's first mazes instead, no evaluation layout among them
-    out = tmp_path / "gen" / "easy-train.json"
-    proc = subprocess.run([sys.executable, "launch/eval_policy.py", "--model", str(tiny_model), "--difficulty", "easy",
-                           "--n", "2", "--max-turns", "3", "--training-mazes", "--out", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(out.read_text())
-    stream = env.TrainMazeStream("easy")
-    training = [stream.next() for _ in range(2)]
-    assert result["mazes_played"] == "training" and [m["seed"] for m in result["mazes"]] == [m.seed for m in training]
-    assert not {m.layout_key() for m in training} & {m.layout_key() for m in env.eval_mazes("easy")}
-    mine = rollout.play_chat_episodes(training, rollout.engine_replies(engine, None, 8, chat.banned_token_ids),
-                                      max_turns=3, progress=False)
-    assert [m["replies"] for m in result["mazes"]] == [e.replies for e in mine]
-
-    bad = subprocess.run([sys.executable, "launch/eval_policy.py", "--model", str(tiny_model), "--adapter", str(tmp_path)],
-                         cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert bad.returncode != 0 and "not a PEFT adapter directory" in bad.stderr
-
-
-def test_diagnose_replays_the_greedy_policy_with_oracle_rules(tmp_path, tiny_model):
-    from launch.diagnose import VARIANTS, blocked
-
-    maze = env.generate_maze(7, seed=0)
-    start = maze.start
-    for move, (dr, dc) in env.MOVE_DELTAS.items():
-        action = env.ACTION_STRINGS[move]
-        assert blocked(maze, start, action) == (not maze.is_open((start[0] + dr, start[1] + dc)))
-    assert not blocked(maze, start, env.STOP_ACTION) and not blocked(maze, start, "garbage")
-
-    proc = subprocess.run([sys.executable, "launch/diagnose.py", "--model", str(tiny_model), "--n", "2", "--max-turns", "3"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    import re
-
-    rows = [m.groups() for line in proc.stdout.splitlines() if (m := re.fullmatch(r"\s*(\S+): solved (\d)/2", line))]
-    assert [name for name, _ in rows] == list(VARIANTS), proc.stdout
-
-
-def test_failures_classifies_wrong_turns_towards_the_goal_and_two_cell_loops(tmp_path):
-    from launch.failures import classify
-
-    mazes = env.eval_mazes("small", 3)
-    # the first evaluation maze with a fork on its shortest path: another open move that also
-    # brings the agent closer to the goal
-    def fork(maze):
-        cell = maze.start
-        for i, best in enumerate(env.solve(maze)[:-1]):
-            for move, (dr, dc) in env.MOVE_DELTAS.items():
-                nxt = (cell[0] + dr, cell[1] + dc)
-                closer = abs(nxt[0] - maze.goal[0]) + abs(nxt[1] - maze.goal[1]) < \
-                    abs(cell[0] - maze.goal[0]) + abs(cell[1] - maze.goal[1])
-                if env.ACTION_STRINGS[move] != best and maze.is_open(nxt) and closer:
-                    return i, move
-            dr, dc = env.MOVE_DELTAS[env.ACTION_STRINGS.index(best)]
-            cell = (cell[0] + dr, cell[1] + dc)
-        return None
-
-    index = next(i for i, m in enumerate(mazes) if fork(m))
-    steps, wrong = fork(mazes[index])
-    path = env.solve(mazes[index])
-    back = env.ACTION_STRINGS[(wrong + 2) % 4]
-    bounce = path[:steps] + [env.ACTION_STRINGS[wrong], back] * 8  # in and out, in and out
-    rows = [{"maze_index": i, "solved": i != index, "replies": [f"<answer>{a}</answer>" for a in
-                                                                   (bounce[:15] if i == index else env.solve(m))]}
-            for i, m in enumerate(mazes)]
-    result = {"difficulty": "small", "total": 3, "mazes": rows}
-    counts = classify(result)
-    assert counts["failed"] == 1 and counts["first_wrong_towards_goal"] == 1 and counts["two_cell_loop"] == 1
-    assert counts["mazes"] == 3 and 0 <= counts["monotone_shortest_path"] <= 3
-
-    # an unreadable first reply is a wrong move, but not one towards the goal; a stop off the goal no loop
-    rows[index]["replies"] = ["no idea", f"<answer>{env.STOP_ACTION}</answer>"]
-    assert classify(result) == {**counts, "first_wrong_towards_goal": 0, "two_cell_loop": 0}
-
-    # the training mazes of `eval_policy.py --training-mazes` are replayed as such; a wrong maze is refused
-    stream = env.TrainMazeStream("small")
-    training = {"difficulty": "small", "total": 1, "mazes_played": "training", "mazes": [
-        {"maze_index": 0, "seed": stream.next().seed, "solved": False, "replies": ["no idea"]}]}
-    assert classify(training)["failed"] == 1
-    training["mazes"][0]["seed"] = mazes[0].seed
-    with pytest.raises(SystemExit, match="not the mazes"):
-        classify(training)
-
-    out = tmp_path / "step_0.json"
-    out.write_text(json.dumps(result))
-    proc = subprocess.run([sys.executable, "launch/failures.py", str(out)], cwd=ROOT, capture_output=True, text=True,
-                          timeout=60)
-    assert proc.returncode == 0 and "failed 1/3; first wrong move towards the goal 0" in proc.stdout, proc.stderr
-
-
-def test_forks_sorts_the_shortest_path_turns_by_how_deep_the_wrong_branch_goes(tmp_path, tiny_model):
-    from launch.forks import branch_depth, turn_kinds
-
-    # A perfect 7x7 maze (nine rooms, eight passages), start top-left, goal bottom-right. From the
-    # start, right leads into a one-room dead end (2 cells) and down is the way; at (3, 1) the route
-    # turns right while a 4-cell branch goes on down and along the bottom row; at (3, 5) it turns
-    # down while a 2-cell branch goes up to the top-right room.
-    rows = ["#######",
-            "#...#.#",
-            "#.###.#",
-            "#.....#",
-            "#.###.#",
-            "#...#.#",
-            "#######"]
-    walls = tuple(tuple(ch == "#" for ch in row) for row in rows)
-    maze = env.Maze(walls=walls, start=(1, 1), goal=(5, 5), seed=-1)
-    assert env.solve(maze) == [env.ACTION_STRINGS[d] for d in (3, 3, 0, 0, 0, 0, 3, 3)] + [env.STOP_ACTION]
-    assert branch_depth(maze, (1, 2), (1, 1)) == 2
-    assert branch_depth(maze, (4, 1), (3, 1)) == 4
-    assert turn_kinds(maze) == ["fork d2", "corridor", "fork d4", "corridor", "corridor", "corridor", "fork d2",
-                                "corridor", "stop"]
-
-    # with a model: one score per turn, every kind accounted for
-    proc = subprocess.run([sys.executable, "launch/forks.py", "--model", str(tiny_model), "--n", "2"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    import re
-
-    scored = {kind: (int(r), int(t)) for kind, r, t in re.findall(r"(\w+(?: d\d+)?): (\d+)/(\d+)", proc.stdout)}
-    census = subprocess.run([sys.executable, "launch/forks.py", "--census", "--n", "2"], cwd=ROOT,
-                            capture_output=True, text=True, timeout=120)
-    counts = {kind: int(n) for kind, n in re.findall(r"(\w+(?: d\d+)?): (\d+)\n", census.stdout)}
-    expected = collections.Counter(k for m in env.eval_mazes("small", 2) for k in turn_kinds(m))
-    assert counts == dict(expected) and {k: t for k, (_, t) in scored.items()} == dict(expected), proc.stdout
-    assert all(0 <= r <= t for r, t in scored.values())
-
-    # with a GRPO-style LoRA on top every turn is still scored once; a directory that is not one is refused
-    from make_tiny_model import random_lora
-
-    random_lora(tiny_model, tmp_path / "lora")
-    with_lora = subprocess.run([sys.executable, "launch/forks.py", "--model", str(tiny_model), "--n", "2",
-                                "--adapter", str(tmp_path / "lora")], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert with_lora.returncode == 0, with_lora.stderr[-3000:]
-    assert {k: int(t) for k, _, t in re.findall(r"(\w+(?: d\d+)?): (\d+)/(\d+)", with_lora.stdout)} == dict(expected)
-    refused = subprocess.run([sys.executable, "launch/forks.py", "--model", str(tiny_model), "--n", "2",
-                              "--adapter", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert refused.returncode != 0 and "not a PEFT adapter directory" in refused.stderr

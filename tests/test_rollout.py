@@ -6,13 +6,13 @@ from transformers import AutoProcessor, GenerationConfig, Qwen3VLForConditionalG
 import env
 import grpo
 import rollout
-import train
+import policy
 from conftest import masked_segments
 
 
-def _chat(tiny_model):
-    processor = AutoProcessor.from_pretrained(tiny_model)
-    return processor, rollout.ChatFormat(processor, GenerationConfig.from_pretrained(tiny_model).eos_token_id)
+def _chat(model_dir):
+    processor = AutoProcessor.from_pretrained(model_dir)
+    return processor, rollout.ChatFormat(processor, GenerationConfig.from_pretrained(model_dir).eos_token_id)
 
 
 def _play(engine, chat, temperature=1.0, **kw):
@@ -23,8 +23,8 @@ def _play(engine, chat, temperature=1.0, **kw):
     return rollout.play_episodes(engine, chat, mazes, [0, 1], **args)
 
 
-def test_sequences_line_up_with_the_processor(engine, tiny_model):
-    processor, chat = _chat(tiny_model)
+def test_sequences_line_up_with_the_processor(engine, warm_start):
+    processor, chat = _chat(warm_start)
     episodes = _play(engine, chat)
     assert len(episodes) == 6 and all(e.done for e in episodes)
     for e in episodes:
@@ -53,8 +53,8 @@ def test_sequences_line_up_with_the_processor(engine, tiny_model):
         assert seq.images == e.images[:e.num_turns]
 
 
-def test_group_members_play_the_same_maze_with_different_samples(engine, tiny_model):
-    _, chat = _chat(tiny_model)
+def test_group_members_play_the_same_maze_with_different_samples(engine, warm_start):
+    _, chat = _chat(warm_start)
     episodes = _play(engine, chat)
     group0 = [e for e in episodes if e.group_id == 0]
     assert len({e.maze.layout_key() for e in group0}) == 1
@@ -63,24 +63,24 @@ def test_group_members_play_the_same_maze_with_different_samples(engine, tiny_mo
     assert [e.reply_ids for e in again] == [e.reply_ids for e in episodes]
 
 
-def test_trainer_logprobs_match_vllm(engine, tiny_model):
+def test_trainer_logprobs_match_vllm(engine, warm_start):
     """fp32 on CPU: the trainer's recomputed logprobs equal vLLM's sampling logprobs."""
-    processor, chat = _chat(tiny_model)
-    model = Qwen3VLForConditionalGeneration.from_pretrained(tiny_model, dtype=torch.float32)
+    processor, chat = _chat(warm_start)
+    model = Qwen3VLForConditionalGeneration.from_pretrained(warm_start, dtype=torch.float32)
     for max_images in (None, 1):
         episodes = _play(engine, chat, max_images=max_images)
         sequences = [s for e in episodes for s in e.sequences]
-        batch = train.Batch(sequences, processor)
+        batch = policy.Batch(sequences, processor)
         with torch.no_grad():
             inputs, mask, rollout_lp = batch.micro(list(range(len(sequences))), torch.device("cpu"))
-            lp = train.sequence_logprobs(model, inputs)
+            lp = policy.sequence_logprobs(model, inputs)
         mismatch = grpo.logprob_mismatch(lp, rollout_lp, mask)
         assert mismatch["mismatch_abs_mean"] < 1e-4, (max_images, mismatch)
         assert mask.sum() == sum(e.num_generated_tokens for e in episodes)
 
 
-def test_last_k_images_makes_one_sequence_per_turn(engine, tiny_model):
-    processor, chat = _chat(tiny_model)
+def test_last_k_images_makes_one_sequence_per_turn(engine, warm_start):
+    processor, chat = _chat(warm_start)
     episodes = _play(engine, chat, max_images=1)
     for e in episodes:
         assert len(e.sequences) == e.num_turns
@@ -95,8 +95,8 @@ def test_last_k_images_makes_one_sequence_per_turn(engine, tiny_model):
                 assert any(seq.token_ids[j:j + len(earlier)] == earlier for j in range(len(seq.token_ids)))
 
 
-def test_stop_conditions(engine, tiny_model):
-    _, chat = _chat(tiny_model)
+def test_stop_conditions(engine, warm_start):
+    _, chat = _chat(warm_start)
     # turn limit: the random model never stops on the goal
     episodes = _play(engine, chat, max_turns=2)
     assert {e.end_reason for e in episodes} == {"turn_limit"} and all(e.num_turns == 2 for e in episodes)

@@ -1,7 +1,9 @@
-"""serve.py: one real vLLM server on loopback, serving the tiny model and three adapters by name.
+"""serve.py: one real vLLM server on loopback, serving a base model and its adapters by name.
 
-The adapter root holds two hand-made adapters `a` and `b`, and a short training run in `run1/`
-whose export `run1/adapters/step_1` must replay, over HTTP, the eval the trainer logged for it.
+The base is the tests' warm start (a short SFT of the tiny model). The adapter root holds two
+hand-made adapters `a` and `b` on it, one made for another base (the untrained tiny model), and a
+short GRPO run in `run1/` whose export `run1/adapters/step_2` must replay, over HTTP, the eval
+the trainer logged for it.
 """
 
 import json
@@ -22,17 +24,18 @@ import pytest
 import env
 import rollout
 import serve
-from make_tiny_model import random_lora
+from tiny_model import random_lora
 
 ROOT = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
 API_KEY = "test-key"
 START_TIMEOUT_S = 300
 REQUEST_TIMEOUT_S = 120
-# The trainer's flags for a one-step run that exports an adapter and evaluates it.
-TRAIN_ARGS = ["--steps", "1", "--prompts-per-step", "2", "--group-size", "2", "--eval-mazes", "8",
-              "--eval-interval", "1", "--export-interval", "1", "--max-turns", "4", "--max-new-tokens", "8",
-              "--progress", "false"]
+# The trainer's flags for a two-step run that exports an adapter and evaluates it.
+TRAIN_ARGS = ["--steps", "2", "--prompts-per-step", "4", "--group-size", "4", "--eval-mazes", "8",
+              "--eval-interval", "2", "--export-interval", "2", "--max-new-tokens", "8", "--lora-rank", "8",
+              "--lr", "1e-3", "--progress", "false"]
+EVAL = dict(difficulty="small", n=8, max_turns=15, max_new_tokens=8)
 
 
 def free_port() -> int:
@@ -90,14 +93,14 @@ def offline_adapter(adapter_root: Path, name: str):
 # ----------------------------------------------------------------------------- fixtures
 
 @pytest.fixture(scope="module")
-def training(tmp_path_factory):
+def training(tmp_path_factory, warm_start):
     """The short training run, started first and in the background (it is the slowest part):
     it writes into <adapter root>/run1 while the adapters are made and the server starts."""
     root = tmp_path_factory.mktemp("adapters")
     log_path = tmp_path_factory.mktemp("trainer") / "train.log"
     with open(log_path, "w") as log:
-        process = subprocess.Popen([PYTHON, "train.py", *TRAIN_ARGS, "--out-dir", str(root / "run1")], cwd=ROOT,
-                                   stdout=log, stderr=subprocess.STDOUT)
+        process = subprocess.Popen([PYTHON, "train.py", "--model", str(warm_start), *TRAIN_ARGS,
+                                    "--out-dir", str(root / "run1")], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     try:
         yield root, process, log_path
     finally:
@@ -107,12 +110,14 @@ def training(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def adapter_root(training, tiny_model, tmp_path_factory) -> Path:
-    """<root>/{a, b, run1/...} plus two links: `inside` -> a, and `escape` -> an adapter outside."""
+def adapter_root(training, warm_start, tiny_model, tmp_path_factory) -> Path:
+    """<root>/{a, b, other_base, run1/...} plus two links: `inside` -> a, and `escape` -> an
+    adapter outside the root."""
     root = training[0]
     outside = tmp_path_factory.mktemp("outside")
-    random_lora(tiny_model, root / "a", seed=1)
-    random_lora(tiny_model, root / "b", seed=2)
+    random_lora(warm_start, root / "a", seed=1)
+    random_lora(warm_start, root / "b", seed=2)
+    random_lora(tiny_model, root / "other_base", seed=3)  # trained on the untrained tiny model
     shutil.copytree(root / "a", outside / "stolen")
     (root / "inside").symlink_to(root / "a")
     (root / "escape").symlink_to(outside / "stolen")
@@ -121,7 +126,7 @@ def adapter_root(training, tiny_model, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def trained_run(training) -> Path:
-    """<root>/run1 once the trainer is done: adapters/step_1 and its eval/step_1.json."""
+    """<root>/run1 once the trainer is done: adapters/step_2 and its eval/step_2.json."""
     root, process, log_path = training
     process.wait(timeout=600)
     assert process.returncode == 0, log_path.read_text()[-5000:]
@@ -129,15 +134,17 @@ def trained_run(training) -> Path:
 
 
 @pytest.fixture(scope="module")
-def server(adapter_root, tiny_model, tmp_path_factory):
+def server(adapter_root, warm_start, tmp_path_factory):
     """`python serve.py` on a free loopback port with an API key; yields a Client."""
     port = free_port()
     log_path = tmp_path_factory.mktemp("server") / "server.log"
     log = open(log_path, "w")
-    process = subprocess.Popen([PYTHON, "serve.py", "--adapters", str(adapter_root), "--port", str(port),
+    process = subprocess.Popen([PYTHON, "serve.py", "--model", str(warm_start), "--served-name", "maze",
+                                "--adapters", str(adapter_root), "--port", str(port),
                                 "--api-key", API_KEY, "--max-loras", "2", "--max-cpu-loras", "4"],
                                cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     client = Client(f"http://127.0.0.1:{port}")
+    client.log = log_path
     try:
         deadline = time.time() + START_TIMEOUT_S
         while True:
@@ -151,7 +158,7 @@ def server(adapter_root, tiny_model, tmp_path_factory):
             if time.time() > deadline:
                 pytest.fail(f"no /health after {START_TIMEOUT_S}s:\n{log_path.read_text()[-5000:]}")
             time.sleep(1)
-        client.base_replies = [client.reply(tiny_model.name, c, max_tokens=8) for c in first_turns(8)]
+        client.base_replies = [client.reply("maze", c, max_tokens=8) for c in first_turns(8)]
         yield client
     finally:
         process.send_signal(signal.SIGTERM)
@@ -164,8 +171,9 @@ def server(adapter_root, tiny_model, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def base(tiny_model) -> str:
-    return tiny_model.name  # the served name: the model directory's name
+def base() -> str:
+    return "maze"  # --served-name
+
 
 
 # ----------------------------------------------------------------------------- serving
@@ -180,33 +188,41 @@ def test_base_and_adapter_answer_a_chat_with_an_image(server, base):
 
 
 def test_trainer_export_replays_the_trainer_eval(server, base, trained_run):
-    logged = json.loads((trained_run / "eval" / "step_1.json").read_text())
-    model = f"{base}:run1/adapters/step_1"
-    result = serve.evaluate(server.url, model, difficulty="small", n=8, max_turns=4, max_new_tokens=8,
-                            api_key=API_KEY, progress=False)
+    from safetensors.torch import load_file
+
+    lora = load_file(str(trained_run / "adapters" / "step_2" / "adapter_model.safetensors"))
+    assert any(v.abs().max() > 0 for k, v in lora.items() if "lora_B" in k)  # a real update (PEFT starts B at 0)
+    logged = json.loads((trained_run / "eval" / "step_2.json").read_text())
+    model = f"{base}:run1/adapters/step_2"
+    result = serve.evaluate(server.url, model, **EVAL, api_key=API_KEY, progress=False)
     assert (result["solved"], result["total"]) == (logged["solved"], logged["total"])
-    # the tiny model solves nothing, so the replies are the real check: every maze, every turn
-    for ours, theirs in zip(result["mazes"], logged["mazes"]):
+    for ours, theirs in zip(result["mazes"], logged["mazes"]):  # every maze, every turn
         assert ours["replies"] == theirs["replies"], f"maze {ours['maze_index']}"
     assert result["mazes"] == logged["mazes"]
     assert model in {m["id"] for m in server.request("/v1/models", method="GET")[1]["data"]}
-    # NB: with no maze solved every GRPO advantage is 0, so this export's LoRA B is still all
-    # zeros and it answers like the base model; the next test plays an adapter that does not.
 
 
-def test_eval_over_http_matches_the_in_process_eval(server, base, adapter_root, trained_run, engine, tiny_model):
+def test_eval_over_http_matches_the_in_process_eval(server, base, adapter_root, trained_run, engine, warm_start):
     from transformers import AutoProcessor
 
     # what train.evaluate does, for an adapter that changes the replies
-    banned = rollout.ChatFormat(AutoProcessor.from_pretrained(tiny_model), []).banned_token_ids
+    banned = rollout.ChatFormat(AutoProcessor.from_pretrained(warm_start), []).banned_token_ids
     offline = rollout.play_chat_episodes(
         env.eval_mazes("small", 8), rollout.engine_replies(engine, offline_adapter(adapter_root, "a"), 8, banned),
-        max_turns=4, progress=False)
-    served = serve.evaluate(server.url, f"{base}:a", difficulty="small", n=8, max_turns=4, max_new_tokens=8,
-                            api_key=API_KEY, progress=False)
+        max_turns=15, progress=False)
+    served = serve.evaluate(server.url, f"{base}:a", **EVAL, api_key=API_KEY, progress=False)
     assert [row["replies"] for row in served["mazes"]] == [e.replies for e in offline]
-    base_rows = json.loads((trained_run / "eval" / "step_1.json").read_text())["mazes"]
+    base_rows = json.loads((trained_run / "eval" / "step_2.json").read_text())["mazes"]
     assert [row["replies"] for row in served["mazes"]] != [row["replies"] for row in base_rows]
+
+
+def test_an_adapter_trained_on_another_base_is_refused(server, base, warm_start, tiny_model):
+    status, body = server.chat(f"{base}:other_base", first_turns(1)[0])
+    assert status == 400, (status, body)
+    assert f"it was trained on {tiny_model.resolve()}, this server serves {warm_start.resolve()}" in body
+    assert "--allow-base-mismatch" in body
+    assert f"adapter other_base: refused: it was trained on {tiny_model.resolve()}" in server.log.read_text()
+    assert server.chat(f"{base}:a", first_turns(1)[0], max_tokens=2)[0] == 200  # the right base: served
 
 
 def test_two_adapters_side_by_side_match_offline_greedy(server, base, adapter_root, engine):
@@ -278,7 +294,7 @@ def test_seeded_sampling_of_long_conversations(server, base):
 
 # ----------------------------------------------------------------------------- refusals
 
-def test_bad_requests_get_a_clear_4xx_and_the_server_keeps_serving(server, base, adapter_root, tiny_model):
+def test_bad_requests_get_a_clear_4xx_and_the_server_keeps_serving(server, base, adapter_root, warm_start):
     messages = [{"role": "user", "content": "hello"}]
     expect_404 = [f"{base}:nope", f"{base}:../x", f"{base}:a/../b", f"{base}:/etc", f"{base}:escape",
                   f"{base}:", "nope:a", "a", f"{base}:a\0", f"{base}:" + "x" * 5000]
@@ -288,8 +304,8 @@ def test_bad_requests_get_a_clear_4xx_and_the_server_keeps_serving(server, base,
         assert server.chat(base, messages, max_tokens=2)[0] == 200
 
     # adapters that appear after start-up and cannot be loaded: too big a rank, no weights
-    random_lora(tiny_model, adapter_root / "late" / "rank16", seed=3, rank=16)
-    write_config(adapter_root / "late" / "no_weights", 8)
+    random_lora(warm_start, adapter_root / "late" / "rank16", seed=3, rank=16)
+    write_config(adapter_root / "late" / "no_weights", 8, base_model_name_or_path=str(warm_start))
     for name in ("late/rank16", "late/no_weights"):
         status, body = server.chat(f"{base}:{name}", messages)
         assert status == 400 and "could not be loaded" in body, (name, status, body)

@@ -98,7 +98,7 @@ def test_sft_then_grpo_smoke(tmp_path, tiny_model):
 def test_action_hits_count_one_action_token_per_trained_reply(tiny_model):
     import torch
 
-    from train import Batch
+    from policy import Batch
 
     processor, chat, replies = _setup(tiny_model)
     maze = env.generate_maze(7, seed=1_000_789)

@@ -19,7 +19,7 @@ def test_directory_is_an_ordinary_hf_model(tiny_model):
 
 
 def test_build_is_deterministic(tmp_path, tiny_model):
-    from make_tiny_model import build, fingerprint
+    from tiny_model import build, fingerprint
 
     # a short vision pretraining keeps this fast; the recipe is the same
     one, two = (build(tmp_path / name, seed=0, vision_steps=3, progress=False) for name in ("one", "two"))
@@ -40,7 +40,7 @@ def test_build_is_deterministic(tmp_path, tiny_model):
 
 
 def test_cell_targets_describe_the_picture():
-    from make_tiny_model import PERCEPTION_TARGETS, cell_targets
+    from tiny_model import PERCEPTION_TARGETS, cell_targets
 
     maze = env.generate_maze(7, seed=3)
     agent = next(c for c in [(3, 3), (1, 3), (3, 1)] if maze.is_open(c))
@@ -124,23 +124,24 @@ def test_untrained_vision_tower_tells_walls_from_paths(tiny_model):
     assert max(wall_vs_path, agent_vs_path, goal_vs_path) < 0.5, (wall_vs_path, agent_vs_path, goal_vs_path)
 
 
-def test_vllm_generates_from_an_image_prompt(engine, tiny_model):
+def test_vllm_generates_from_an_image_prompt(engine, warm_start):
+    """(The engine serves the warm start: the tiny model after a short SFT, the same architecture.)"""
     from vllm import SamplingParams
 
-    out = engine.generate([_first_turn(tiny_model)], SamplingParams(temperature=0.0, max_tokens=8),
+    out = engine.generate([_first_turn(warm_start)], SamplingParams(temperature=0.0, max_tokens=8),
                           use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) > 0
     # vLLM expands the single <|image_pad|> into one token per merged patch (49 for a 7x7 maze)
-    image_token_id = AutoProcessor.from_pretrained(tiny_model).image_token_id
-    assert _first_turn(tiny_model)["prompt_token_ids"].count(image_token_id) == 1
+    image_token_id = AutoProcessor.from_pretrained(warm_start).image_token_id
+    assert _first_turn(warm_start)["prompt_token_ids"].count(image_token_id) == 1
     assert list(out.prompt_token_ids).count(image_token_id) == 49
 
 
-def test_peft_adapter_changes_vllm_output(engine, tiny_model, tmp_path):
+def test_peft_adapter_changes_vllm_output(engine, warm_start, tmp_path):
     from vllm import SamplingParams
     from vllm.lora.request import LoRARequest
 
-    model = Qwen3VLForConditionalGeneration.from_pretrained(tiny_model, dtype=torch.float32)
+    model = Qwen3VLForConditionalGeneration.from_pretrained(warm_start, dtype=torch.float32)
     lora = LoraConfig(r=8, lora_alpha=16, target_modules=rollout.LORA_TARGET_REGEX)
     model = get_peft_model(model, lora)
     torch.manual_seed(0)
@@ -153,7 +154,7 @@ def test_peft_adapter_changes_vllm_output(engine, tiny_model, tmp_path):
     assert saved["r"] == 8
 
     params = SamplingParams(temperature=0.0, max_tokens=8, prompt_logprobs=0)
-    prompt = _first_turn(tiny_model)
+    prompt = _first_turn(warm_start)
     base = engine.generate([prompt], params, use_tqdm=False)[0]
     tuned = engine.generate([prompt], params, use_tqdm=False,
                             lora_request=LoRARequest("test-adapter", 1, str(tmp_path / "adapter")))[0]

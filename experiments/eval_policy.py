@@ -1,6 +1,6 @@
 """Evaluate a policy (a model, optionally with a LoRA adapter) on the held-out mazes of any size.
 
-    python launch/eval_policy.py --model runs/main/sft/model --adapter runs/main/grpo/adapters/step_60 \
+    python experiments/eval_policy.py --model runs/main/sft/model --adapter runs/main/grpo/adapters/step_60 \
         --difficulty easy --out runs/main/generalisation_easy.json
 
 Greedy play of the fixed evaluation mazes through the same chat path as train.py's evaluation
@@ -57,7 +57,7 @@ def mazes_played(difficulty: str, n: int, which: str = "evaluation") -> list:
 
 
 def policy_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """The policy to play and the held-out mazes to play it on (shared with launch/diagnose.py)."""
+    """The policy to play and the held-out mazes to play it on (shared with experiments/diagnose.py)."""
     parser.add_argument("--model", required=True, help="HF model directory or id")
     parser.add_argument("--adapter", default="", help="PEFT LoRA directory; empty: the model alone")
     parser.add_argument("--difficulty", default="small", choices=list(env.DIFFICULTY_SIZES))
@@ -84,10 +84,9 @@ def main():
         mazes, replies, max_turns=args.max_turns, max_images=args.max_images or None,
         desc=f"{which} {args.difficulty}")
     solved = sum(e.solved for e in episodes)
-    result = {"model": args.model, "adapter": args.adapter, "difficulty": args.difficulty, "mazes_played": which,
-              "solved": solved, "total": len(episodes), "solve_rate": solved / len(episodes),
-              "mazes": [{"maze_index": i, "seed": e.maze.seed, "solved": e.solved, "turns": e.num_turns,
-                         "end_reason": e.end_reason, "replies": e.replies} for i, e in enumerate(episodes)]}
+    result = rollout.eval_result(rollout.eval_rows(episodes, list(range(len(episodes))), args.max_turns),
+                                 args.max_turns, model=args.model, adapter=args.adapter, difficulty=args.difficulty,
+                                 mazes_played=which)
     print(f"{args.difficulty} {which} mazes: solved {solved}/{len(episodes)}")
     if args.out:
         out = Path(args.out)

@@ -7,7 +7,7 @@ tokens added. The result loads with `Qwen3VLForConditionalGeneration.from_pretra
 `AutoProcessor.from_pretrained` and `vllm.LLM`, exactly like a real Qwen3-VL-8B directory, so the
 trainer, the rollout engine and the server take the same code path for both.
 
-    python launch/make_tiny_model.py --out .cache/tiny-qwen3-vl [--seed 0] [--force]
+    python tiny_model.py --out .cache/tiny-qwen3-vl [--seed 0] [--force]
 
 Deterministic from the seed. The directory holds a `BUILD_INFO.json` fingerprint; an existing
 directory with the same fingerprint is reused, and the build is written to a temporary directory
@@ -19,12 +19,10 @@ import hashlib
 import json
 import os
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+ROOT = Path(__file__).resolve().parent
 
 DEFAULT_DIR = ROOT / ".cache" / "tiny-qwen3-vl"
 BUILD_VERSION = 3  # bump when the architecture, processor, tokenizer or vision pretraining recipe changes

@@ -1,9 +1,9 @@
 """How did a greedy policy's failed evaluation episodes go wrong? Read from the logged replies.
 
-    python launch/failures.py runs/main/grpo/eval/step_0.json [runs/main/grpo/eval/step_100.json ...]
+    python experiments/failures.py runs/main/grpo/eval/step_0.json [runs/main/grpo/eval/step_100.json ...]
 
 Each failed maze is replayed from its `replies` (an `eval/step_<N>.json` of train.py, or the
-output of launch/eval_policy.py or `serve.py eval`) and classified by two questions:
+output of experiments/eval_policy.py or `serve.py eval`) and classified by two questions:
 
   first wrong move towards the goal   the first move off the shortest path brings the agent closer
                                       to the goal (Manhattan distance): a heuristic "head for the
@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import env  # noqa: E402
-from launch.eval_policy import mazes_played  # noqa: E402
+from experiments.eval_policy import mazes_played  # noqa: E402
 
 
 def manhattan(a, b) -> int:
@@ -50,7 +50,7 @@ def replay(maze, replies: list) -> tuple[list, tuple | None]:
 
 def classify(result: dict) -> dict:
     """Counts over the failed mazes of one evaluation result (the JSON's dict)."""
-    # train.py's results are evaluation mazes; launch/eval_policy.py says which it played
+    # train.py's results are evaluation mazes; experiments/eval_policy.py says which it played
     mazes = mazes_played(result["difficulty"], result["total"], result.get("mazes_played", "evaluation"))
     for row in result["mazes"]:
         if "seed" in row and row["seed"] != mazes[row["maze_index"]].seed:

@@ -1,8 +1,8 @@
 """Which decisions does a policy get wrong? Its accuracy on the shortest path, by kind of turn.
 
-    python launch/forks.py --model runs/main/sft/model [--adapter runs/main/grpo/adapters/step_100] [--n 64]
-    python launch/forks.py --model runs/main/sft/model --training-mazes --n 128
-    python launch/forks.py --census [--difficulty small]       # no model: how common each kind is
+    python experiments/forks.py --model runs/main/sft/model [--adapter runs/main/grpo/adapters/step_100] [--n 64]
+    python experiments/forks.py --model runs/main/sft/model --training-mazes --n 128
+    python experiments/forks.py --census [--difficulty small]       # no model: how common each kind is
 
 Every turn of a maze's shortest path is one of three kinds:
 
@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 import rollout  # noqa: E402  (first: sets vLLM's environment)
 
 import env  # noqa: E402
-from launch.eval_policy import adapter_config, mazes_played  # noqa: E402
+from experiments.eval_policy import adapter_config, mazes_played  # noqa: E402
 
 
 def open_neighbours(maze, cell) -> list:
@@ -70,8 +70,8 @@ def turn_accuracy(model_path: str, mazes: list, adapter: str = "") -> tuple[coll
     import torch
     from transformers import Qwen3VLForConditionalGeneration
 
+    import policy
     import sft
-    from train import Batch
 
     chat = rollout.ChatFormat.for_model(model_path)
     reply_ids, answer_id = sft.reply_tokens(chat)
@@ -87,7 +87,7 @@ def turn_accuracy(model_path: str, mazes: list, adapter: str = "") -> tuple[coll
         # the whole shortest path as one conversation (full history), its replies masked in
         sequences = sft.demonstration(maze, chat, reply_ids, random.Random(0), max_turns=len(kinds),
                                       max_images=None, cell_px=env.CELL_PX_TINY, noise=0.0)
-        inputs, mask, _ = Batch(sequences, chat.processor).micro([0], torch.device("cpu"))
+        inputs, mask, _ = policy.Batch(sequences, chat.processor).micro([0], torch.device("cpu"))
         with torch.no_grad():
             logits = model(**inputs).logits[0, :-1]
         targets = inputs["input_ids"][0, 1:]

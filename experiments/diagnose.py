@@ -1,6 +1,6 @@
 """Where does a greedy policy fail? Replay the held-out mazes with two rules bolted on.
 
-    python launch/diagnose.py --model runs/main/sft/model [--adapter DIR] [--difficulty small]
+    python experiments/diagnose.py --model runs/main/sft/model [--adapter DIR] [--difficulty small]
 
 The policy's greedy choice is its highest-scoring action (vLLM log-probs of the action token).
 Each variant then overrides it only where a rule says so, falling back to the policy's ranking:
@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT))
 import rollout  # noqa: E402  (first: sets vLLM's environment)
 
 import env  # noqa: E402
-from launch.eval_policy import load_policy, policy_arguments  # noqa: E402
+from experiments.eval_policy import load_policy, policy_arguments  # noqa: E402
 
 VARIANTS = ("greedy", "no-repeat", "no-wall", "both")
 

@@ -1,0 +1,327 @@
+"""Files that must survive a crash: atomic writes, checkpoints that verify themselves, pruning.
+
+    <out>/checkpoints/step_<N>/   adapter_config.json, adapter_model.safetensors (LoRA),
+                                  trainer_state.pt (optimizer, LR schedule, RNG states),
+                                  meta.json (step, maze stream, config, size + sha256 of every file)
+    <out>/checkpoints/latest      the name of the newest published checkpoint
+
+Everything is written into a hidden temp dir, fsynced, and renamed into place in one step; meta.json
+is written last, so a dir without it was cut short. `latest` moves only after the rename. A
+`kill -9` at any moment therefore leaves the previous checkpoint or the new one, never half of one.
+Bit rot or a damaged copy after publication is caught by the hashes: on resume the newest
+checkpoint that verifies is used, and each one that does not is named in one line.
+"""
+
+import dataclasses
+import hashlib
+import json
+import os
+import random
+import shutil
+import uuid
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file, save_file
+
+import distributed
+
+# The adapter directory's record of the base it was trained on (serve.py refuses a mismatch).
+BASE_MODEL_FILE = "base_model.json"
+
+
+class WriteError(Exception):
+    """A file that matters could not be written (disk full, read-only, ...); nothing was published."""
+
+
+# ----------------------------------------------------------------------------- atomic files
+
+def atomic_write_text(path: Path, text: str):
+    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def fsync_path(path: Path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(path: Path):
+    for p in [*path.rglob("*"), path]:
+        fsync_path(p)
+
+
+def remove_dir(path: Path):
+    """Delete a dir without ever showing a half-deleted one under its name: hide it, then delete."""
+    trash = path.with_name(f".{path.name}.trash-{uuid.uuid4().hex[:8]}")
+    os.replace(path, trash)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def remove_tmp(tmp: Path):
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+def publish_dir(tmp: Path, final: Path):
+    """Make a fully written temp dir visible under its final name in one rename."""
+    fsync_dir(tmp)
+    if final.exists():
+        remove_dir(final)
+    os.replace(tmp, final)
+    fsync_path(final.parent)  # the rename itself is on disk before anything (`latest`) names it
+
+
+def prune(parent: Path, prefix: str, keep: int, current: int | None = None):
+    """Keep the newest `keep` <prefix><N> dirs. Call only from the one process that writes `parent`:
+    it also deletes the hidden temp dirs of writes that a crash cut short.
+
+    With `current` (the step just written), dirs numbered above it are deleted first: they are
+    left over from a run that got further than the checkpoint this one resumed from, and would
+    otherwise count as the newest and push out the dir just written."""
+    for stale in parent.glob(f".{prefix}*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    numbered = sorted((int(p.name[len(prefix):]), p) for p in parent.glob(prefix + "*")
+                      if p.name[len(prefix):].isdigit())
+    done = []
+    for number, path in numbered:
+        if current is not None and number > current:
+            remove_dir(path)  # abandoned
+        else:
+            done.append(path)
+    for old in done[:-keep]:
+        remove_dir(old)
+
+
+# ----------------------------------------------------------------------------- content hashes
+
+def file_digest(path: Path) -> dict:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return {"bytes": path.stat().st_size, "sha256": h.hexdigest()}
+
+
+def verify(ckpt: Path) -> str | None:
+    """None if `ckpt` is a complete checkpoint whose every file matches meta.json; else what is wrong."""
+    try:
+        meta = json.loads((ckpt / "meta.json").read_text())
+    except FileNotFoundError:
+        return "no meta.json (the write was cut short)"
+    except (OSError, ValueError) as e:
+        return f"meta.json unreadable ({e})"
+    files = meta.get("files")
+    if not isinstance(files, dict) or not files:
+        return "meta.json lists no files"
+    for name, want in files.items():
+        path = ckpt / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if path.stat().st_size != want["bytes"]:
+            return f"{name} has {path.stat().st_size} bytes, {want['bytes']} were written"
+        if file_digest(path)["sha256"] != want["sha256"]:
+            return f"{name} does not match its sha256 (damaged after it was written)"
+    return None
+
+
+def fingerprint_model(model_dir: str) -> str | None:
+    """A fingerprint of a model directory's config and weights, without reading all of them:
+    sha256 over config.json, each weight file's name and size, and 64 KiB at 16 places spread
+    through each file. Two checkpoints of one architecture differ in it (their weights differ
+    everywhere); a hub id (no local dir) has none."""
+    root = Path(model_dir)
+    if not (root / "config.json").is_file():
+        return None
+    h = hashlib.sha256((root / "config.json").read_bytes())
+    for path in sorted(root.glob("*.safetensors")) + sorted(root.glob("*.bin")):
+        size = path.stat().st_size
+        h.update(f"{path.name}:{size}".encode())
+        with open(path, "rb") as f:
+            for i in range(16):
+                f.seek(size * i // 16)
+                h.update(f.read(1 << 16))
+    return h.hexdigest()[:32]
+
+
+def base_model_record(model_path: str) -> dict:
+    """What an adapter records of its base: the resolved path (or hub id) and the fingerprint."""
+    local = Path(model_path).is_dir()
+    return {"path": str(Path(model_path).resolve()) if local else model_path,
+            "fingerprint": fingerprint_model(model_path) if local else None}
+
+
+# ----------------------------------------------------------------------------- adapters
+
+def write_adapter_files(model, state: dict, directory: Path, base_model: dict):
+    """adapter_config.json + adapter_model.safetensors (a PEFT adapter, loadable by PEFT and
+    vLLM) + base_model.json, the base it belongs to (resolved path and content fingerprint)."""
+    model.peft_config["default"].save_pretrained(str(directory))
+    save_file(state, str(directory / "adapter_model.safetensors"))
+    (directory / BASE_MODEL_FILE).write_text(json.dumps(base_model, indent=1))
+
+
+def write_adapter(model, state: dict, final_dir: Path, base_model: dict):
+    """An adapter directory, atomically: written whole into a hidden temp dir, then renamed."""
+    final_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final_dir.with_name(f".{final_dir.name}.tmp-{uuid.uuid4().hex[:8]}")
+    try:
+        tmp.mkdir()
+        write_adapter_files(model, state, tmp, base_model)
+        publish_dir(tmp, final_dir)
+    except OSError as e:
+        remove_tmp(tmp)
+        raise WriteError(f"adapter {final_dir} not written ({e.strerror or e}); the previous one is untouched") from e
+
+
+def load_lora_state(model, adapter_file: Path):
+    """Load PEFT-format LoRA weights into the sharded model (every rank reads the file)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    # PEFT saves `...q_proj.lora_A.weight` for the parameter `...q_proj.lora_A.default.weight`
+    by_saved_name = {n.replace(".default.", "."): n for n, p in model.named_parameters() if p.requires_grad}
+    state = load_file(str(adapter_file))
+    if set(state) != set(by_saved_name):
+        raise SystemExit(f"{adapter_file} does not fit this model's LoRA (rank, targets or model differ)")
+    full = {by_saved_name[k]: v for k, v in state.items()}
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, strict=False))
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+def save(cfg, model, optimizer, scheduler, lora_state, step, stream, hours, out: Path, base) -> Path | None:
+    """Rank 0 writes the checkpoint into a hidden temp dir and returns it; `publish` makes it
+    step_<N> once the step's metrics line is written (a crash before that redoes the step).
+    Collective. A failed write (disk full, ...) stops every rank and leaves the previous one."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    optim_state = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True,
+                                                                                      cpu_offload=True))
+    rngs = distributed.all_gather_objects({"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
+                                           "python": random.getstate()})
+    tmp, error = None, None
+    if dist.get_rank() == 0:
+        try:
+            tmp = out / "checkpoints" / f".step_{step}.tmp-{uuid.uuid4().hex[:8]}"
+            tmp.mkdir(parents=True)
+            write_adapter_files(model, lora_state, tmp, base)
+            torch.save({"optimizer": optim_state, "scheduler": scheduler.state_dict(), "rng": rngs},
+                       tmp / "trainer_state.pt")
+            if os.environ.get("GRPO_TEST_KILL_IN_CHECKPOINT") == str(step) and \
+                    os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+                os.kill(os.getpid(), 9)  # tests/test_launch.py: die mid-write (first attempt only)
+            seal(tmp, {"step": step, "stream": stream.state_dict(), "process_hours": hours,
+                       "world_size": dist.get_world_size(), "config": dataclasses.asdict(cfg)})
+        except OSError as e:
+            remove_tmp(tmp) if tmp else None
+            error = f"checkpoint step_{step} not written ({e.strerror or e}); the previous one stays the newest"
+    error = distributed.broadcast_object(error)
+    if error:
+        raise SystemExit(error)
+    return tmp
+
+
+def load(path: Path, cfg, model, optimizer, scheduler, stream, log=print) -> tuple[int, float]:
+    """Restore LoRA, optimizer, schedule, RNG states and maze stream; returns (step, hours).
+
+    A checkpoint written with other meaningful settings (MEANINGFUL) is refused unless
+    cfg.resume_allow_changes; then the new learning rate and schedule take effect from here."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    meta = json.loads((path / "meta.json").read_text())
+    changes = config_changes(meta.get("config", {}), dataclasses.asdict(cfg))
+    if changes and not cfg.resume_allow_changes:
+        raise SystemExit(f"{path} was written with other settings ({'; '.join(changes)}). Resume with the "
+                         "same ones, start a new --out-dir, or pass --resume-allow-changes true to apply the new ones.")
+    load_lora_state(model, path / "adapter_model.safetensors")
+    state = torch.load(path / "trainer_state.pt", map_location="cpu", weights_only=False)
+    set_optimizer_state_dict(model, optimizer, optim_state_dict=state["optimizer"],
+                             options=StateDictOptions(full_state_dict=True))
+    scheduler.load_state_dict(state["scheduler"])
+    if changes:  # the saved optimizer and schedule carry the old values: put the new ones in
+        scheduler.base_lrs = [cfg.lr] * len(scheduler.base_lrs)
+        for group, factor in zip(optimizer.param_groups, scheduler.lr_lambdas):
+            group.update(lr=cfg.lr * factor(scheduler.last_epoch), weight_decay=cfg.weight_decay)
+        scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
+        log(f"resuming with changed settings: {'; '.join(changes)}")
+    rng = state["rng"][dist.get_rank() % len(state["rng"])]
+    torch.set_rng_state(rng["torch"])
+    np.random.set_state(rng["numpy"])
+    random.setstate(rng["python"])
+    stream.load_state_dict(meta["stream"])
+    return meta["step"], meta["process_hours"]
+
+
+def seal(tmp: Path, meta: dict):
+    """Record every file's size and hash in meta.json, written last, then fsync the dir."""
+    meta = {**meta, "files": {p.name: file_digest(p) for p in sorted(tmp.iterdir()) if p.is_file()}}
+    (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
+    fsync_dir(tmp)
+
+
+def publish(out: Path, tmp: Path, step: int, keep: int):
+    """Rename the sealed temp dir to step_<N>, then point `latest` at it (last: it only ever
+    names a complete dir), then drop old ones."""
+    root = out / "checkpoints"
+    publish_dir(tmp, root / f"step_{step}")
+    atomic_write_text(root / "latest", f"step_{step}")
+    prune(root, "step_", keep, current=step)
+
+
+def find(out: Path, resume: str, warn=print) -> Path | None:
+    """The checkpoint to resume from: `resume` = none, latest or a checkpoint dir.
+
+    latest: the one `latest` names if it verifies, else the newest that does; each one passed over
+    is named with what is wrong with it. An explicit dir must verify, or the run stops."""
+    if resume == "none":
+        return None
+    if resume != "latest":
+        path = Path(resume)
+        problem = verify(path)
+        if problem:
+            raise SystemExit(f"--resume {path}: not a usable checkpoint: {problem}")
+        return path
+    root = out / "checkpoints"
+    candidates = sorted((p for p in root.glob("step_*") if p.name[5:].isdigit()),
+                        key=lambda p: int(p.name[5:]), reverse=True)
+    pointer = root / "latest"
+    named = pointer.read_text().strip() if pointer.exists() else None
+    if named and (root / named).is_dir():  # the pointer's choice first, then newest first
+        candidates.sort(key=lambda p: p.name != named)
+    for path in candidates:
+        problem = verify(path)
+        if problem is None:
+            return path
+        warn(f"checkpoint {path} skipped: {problem}")
+    if candidates:
+        raise SystemExit(f"no usable checkpoint in {root} (all {len(candidates)} failed verification); "
+                         "--resume none starts over")
+    return None
+
+
+# Config fields that change what a run means: resuming with another value would silently mix two
+# runs (the optimizer and schedule are the checkpoint's). Everything else (steps, intervals,
+# paths, progress, micro-batch size, memory settings) can change on resume.
+MEANINGFUL = ("model", "difficulty", "env_style", "cell_px", "max_turns", "train_max_turns", "max_new_tokens",
+              "max_images", "train_pool", "eval_mazes", "prompts_per_step", "group_size", "temperature",
+              "scale_adv_by_std", "clip_eps_low", "clip_eps_high", "loss_aggregation", "kl_coef",
+              "step_adv_weight", "gamma", "tis_cap", "lr", "weight_decay", "warmup_steps", "lr_schedule",
+              "max_grad_norm", "num_mini_batches", "lora_rank", "lora_alpha", "lora_dropout", "lora_targets", "seed")
+
+
+def config_changes(saved: dict, current: dict) -> list[str]:
+    """'name: saved -> current' for each meaningful field that differs."""
+    return [f"{k}: {saved[k]!r} -> {current[k]!r}" for k in MEANINGFUL
+            if k in saved and k in current and saved[k] != current[k]]

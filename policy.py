@@ -1,0 +1,381 @@
+"""The trainer's side of the policy: FSDP2 + LoRA, its log-probs, and the adapter that goes to the engines.
+
+    model = build_policy(cfg, model_path)        # HF Qwen3-VL + PEFT LoRA, sharded with FSDP2
+    batch = Batch(sequences, processor, model)   # rollout sequences as trainer tensors
+    inputs, mask, rollout_lp = batch.micro([0, 1, 2], device)
+    logprobs = sequence_logprobs(model, inputs)  # log pi(token) of every target token
+    request, state, stats = sync_adapter(model, engine, shared, step, keep)   # LoRA -> disk -> vLLM
+
+Only LoRA trains. The base model, the vision tower included, is frozen, which is what makes two
+shortcuts exact: the vision tower's output for an image never changes, so each distinct image is
+encoded once per batch and handed to the model as precomputed encoder outputs; and only the
+adapter (a few MB for the tiny model, 175 MB in bf16 for rank 32 on Qwen3-VL-8B) has to travel to
+the inference engines after each update.
+"""
+
+import functools
+import inspect
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import checkpoint
+import distributed
+import grpo
+import rollout
+
+# ----------------------------------------------------------------------------- the policy
+
+def build_policy(cfg, model_path: str):
+    """HF Qwen3-VL + PEFT LoRA on the language model, sharded with FSDP2.
+
+    The mesh is 2-D, (replicas, shard group): parameters are sharded within a shard group (by
+    default one node) and replicated across groups, so the frozen base is all-gathered over the
+    node's own links, never across the network; only gradients are reduced between nodes (HSDP).
+    Each decoder layer is its own FSDP unit (gathered just before it runs)."""
+    from transformers import Qwen3VLForConditionalGeneration
+
+    on_gpu = torch.cuda.is_available()
+    model = Qwen3VLForConditionalGeneration.from_pretrained(
+        model_path, dtype=torch.bfloat16 if on_gpu else torch.float32)
+    return wrap_policy(cfg, model)
+
+
+def wrap_policy(cfg, model):
+    """LoRA and FSDP2 around a loaded Qwen3VLForConditionalGeneration (build_policy's second half;
+    launch/gpu_check.py hands it a randomly initialised one)."""
+    from peft import LoraConfig, get_peft_model
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    on_gpu = torch.cuda.is_available()
+    model.config.text_config.use_cache = False  # (transformers 5 reads it from the text config)
+    # PEFT draws LoRA A at random: the same seed on every rank gives every rank the same init.
+    torch.manual_seed(cfg.seed)
+    lora = LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+                      target_modules=cfg.lora_targets)
+    model = get_peft_model(model, lora)  # freezes everything but LoRA (vision tower included)
+    if on_gpu:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.enable_input_require_grads()
+
+    world, shard = dist.get_world_size(), distributed.shard_group_size(cfg.shard_group_size)
+    mesh = init_device_mesh("cuda" if on_gpu else "cpu", (world // shard, shard),
+                            mesh_dim_names=("replicate", "shard"))
+    # bf16 compute, fp32 gradient reduction and fp32 LoRA master weights on GPU; plain fp32 on CPU.
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if on_gpu else MixedPrecisionPolicy()
+    inner = model.base_model.model.model
+    for layer in inner.language_model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=mp)
+    # The frozen vision tower is kept whole on every rank, outside FSDP: Batch calls it on its
+    # own, before and apart from the model's forward, which FSDP's root unit does not allow. It
+    # is small next to the language model (0.6 B of Qwen3-VL-8B's 8.8 B parameters).
+    inner.visual.to(mesh.device_type)
+    fully_shard(model, mesh=mesh, mp_policy=mp, ignored_params=set(inner.visual.parameters()))
+    return model
+
+
+def resolve_model(model: str, collective: bool = True) -> str:
+    """The local directory of the policy's base model, checked before anything expensive starts.
+
+    '' is the tiny model (built on first use); a directory must hold a Qwen3-VL config; anything
+    else is taken for a hub id and downloaded once per node (by local rank 0; the other ranks
+    wait, then read the same cache), never by every rank of every node at once. A mistake ends in
+    one line that says what is wrong."""
+    import re
+
+    first = not collective or int(os.environ.get("LOCAL_RANK", "0")) == 0
+    if not model:
+        import tiny_model
+
+        path = str(tiny_model.ensure_tiny_model()) if first else ""
+        if collective:
+            dist.barrier()
+        return path or str(tiny_model.ensure_tiny_model())
+    local = Path(model).expanduser()
+    if local.exists() or not re.fullmatch(r"[\w.-]+(/[\w.-]+)?", model):
+        if not local.is_dir():
+            raise SystemExit(f"--model {model}: no such directory" + ("" if local.exists() else
+                             " (and not a hub id, which reads 'name' or 'org/name')"))
+        return check_model_dir(local)
+    from huggingface_hub import snapshot_download
+
+    def download(offline: bool) -> str:
+        try:
+            return snapshot_download(model, local_files_only=offline)
+        except Exception as e:  # no network, no such repo, no access: one line, not a traceback
+            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise SystemExit(f"--model {model}: not a local directory, and the hub copy could not be had "
+                             f"({type(e).__name__}: {reason[:200]})")
+
+    path = download(offline=False) if first else ""
+    if collective:
+        dist.barrier()
+    return check_model_dir(Path(path or download(offline=True)))
+
+
+def check_model_dir(path: Path) -> str:
+    """`path` if it is a readable Qwen3-VL model directory; else one clear line."""
+    import json
+
+    config = path / "config.json"
+    try:
+        model_type = json.loads(config.read_text()).get("model_type")
+    except FileNotFoundError:
+        raise SystemExit(f"{path}: not a model directory (no config.json)")
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"{config}: unreadable ({getattr(e, 'strerror', None) or e})")
+    if model_type != "qwen3_vl":
+        raise SystemExit(f"{path}: a {model_type!r} model; this trainer needs a Qwen3-VL one (model_type 'qwen3_vl')")
+    return str(path)
+
+
+def check_writable(directory: Path, min_free_mb: int = 64):
+    """Create `directory` and make sure a file can be written there, with some room to spare."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        probe = directory / f".write-check-{os.getpid()}"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as e:
+        raise SystemExit(f"{directory}: cannot write there ({e.strerror or e})")
+    free_mb = shutil.disk_usage(directory).free // 2**20
+    if free_mb < min_free_mb:
+        raise SystemExit(f"{directory}: only {free_mb} MB free; checkpoints and adapters need more")
+
+
+def lora_parameters(model) -> list:
+    return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+
+
+def vision_tower(model):
+    """The Qwen3-VL model inside the PEFT wrapper (or a plain HF model), whose .visual encodes images."""
+    inner = model.base_model.model if hasattr(model, "peft_config") else model
+    return inner.model
+
+
+# ----------------------------------------------------------------------------- trainer tensors
+
+@dataclass
+class Experience:
+    """One trained sequence and everything the loss needs of it (one record, as in tiny-grpo).
+
+    Per-token rows are aligned with the trainer's shifted targets: entry j is about token j + 1,
+    the token that position j predicts."""
+    sequence: rollout.Sequence
+    advantages: torch.Tensor  # [len - 1]: the advantage of each target token (0 off the replies)
+    episode: int  # index of its episode on this rank (mini-batches split episodes, not sequences)
+    old_logprobs: torch.Tensor | None = None  # [len - 1] log pi_old; None: the update is single-pass
+    ref_logprobs: torch.Tensor | None = None  # [len - 1] log pi_ref, for the KL term
+
+
+class Batch:
+    """Training sequences as trainer tensors.
+
+    Images are keyed by content, so an image that several sequences share (the 8 episodes of a
+    group all start from the same picture, and meet the same states again) is preprocessed once.
+    With `model` given and its vision tower frozen, it is also encoded once: the features of the
+    images a micro-batch needs are computed without gradient, kept for the rest of the batch, and
+    passed to the model as `mm_encoder_outputs` instead of pixels (exactly the same numbers)."""
+
+    def __init__(self, sequences: list, processor, model=None):
+        self.sequences = sequences
+        self.processor = processor
+        self.image_token_id = processor.image_token_id
+        self.pad_id = processor.tokenizer.pad_token_id or 0
+        self._keys = {}  # id(image) -> content digest
+        self._pixels = {}  # digest -> (pixel_values, grid_thw)
+        self._features = {}  # digest -> (embeds, [deepstack embeds])
+        frozen = model is not None and not any(p.requires_grad for p in vision_tower(model).visual.parameters())
+        self.model = model if frozen and takes_encoder_outputs() else None
+
+    def length(self, i: int) -> int:
+        return len(self.sequences[i].token_ids)
+
+    def _key(self, image) -> str:
+        if id(image) not in self._keys:
+            self._keys[id(image)] = rollout.image_digest(image)
+        return self._keys[id(image)]
+
+    def _pixel_values(self, key: str, image):
+        if key not in self._pixels:
+            v = self.processor.image_processor(images=[image], return_tensors="pt")
+            self._pixels[key] = (v["pixel_values"], v["image_grid_thw"])
+        return self._pixels[key]
+
+    @torch.no_grad()
+    def _encode(self, keys: list[str], device):
+        """Vision features of the images not encoded yet, in one call to the (frozen) tower."""
+        todo = list(dict.fromkeys(k for k in keys if k not in self._features))
+        if not todo:
+            return
+        pixels = torch.cat([self._pixels[k][0] for k in todo]).to(device)
+        grid = torch.cat([self._pixels[k][1] for k in todo]).to(device)
+        out = vision_tower(self.model).get_image_features(pixels, grid, return_dict=True)
+        for i, key in enumerate(todo):
+            self._features[key] = (out.pooler_output[i], [feat[i] for feat in out.deepstack_features])
+
+    def micro(self, idx: list[int], device):
+        """Right-padded inputs for the sequences `idx`, and the response mask and rollout
+        log-probs aligned with the targets (position t predicts token t+1)."""
+        from transformers.models.qwen3_vl.modeling_qwen3_vl import BaseModelOutputWithDeepstackFeatures
+
+        seqs = [self.sequences[i] for i in idx]
+        T = max(len(s.token_ids) for s in seqs)
+        ids = torch.full((len(idx), T), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(idx), T), dtype=torch.float32)
+        rollout_lp = torch.zeros((len(idx), T), dtype=torch.float32)
+        for row, s in enumerate(seqs):
+            n = len(s.token_ids)
+            ids[row, :n] = torch.tensor(s.token_ids)
+            mask[row, :n] = torch.tensor(s.response_mask, dtype=torch.float32)
+            rollout_lp[row, :n] = torch.tensor(s.rollout_logprobs)
+        images = [(self._key(image), image) for s in seqs for image in s.images]
+        pixels = [self._pixel_values(key, image) for key, image in images]
+        inputs = dict(
+            input_ids=ids.to(device),
+            # No padding mask: the padding is on the right and attention is causal, so no real
+            # token ever attends to a pad. An all-ones mask lets SDPA take its causal fast path
+            # (it skips the upper triangle instead of masking a full square): ~25% of a step.
+            attention_mask=torch.ones_like(ids).to(device),
+            mm_token_type_ids=(ids == self.image_token_id).int().to(device),  # M-RoPE's image positions
+            image_grid_thw=torch.cat([g for _, g in pixels]).to(device),
+        )
+        if self.model is None:
+            inputs["pixel_values"] = torch.cat([p for p, _ in pixels]).to(device)
+        else:
+            self._encode([key for key, _ in images], device)
+            features = [self._features[key] for key, _ in images]
+            depth = len(features[0][1])
+            inputs["mm_encoder_outputs"] = {"image": BaseModelOutputWithDeepstackFeatures(
+                pooler_output=tuple(f[0] for f in features),
+                deepstack_features=[tuple(f[1][level] for f in features) for level in range(depth)])}
+        return inputs, mask[:, 1:].to(device), rollout_lp[:, 1:].to(device)
+
+
+@functools.cache
+def takes_encoder_outputs() -> bool:
+    """Whether this transformers' Qwen3-VL takes precomputed image features (5.19 does, 5.17 not)."""
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLModel
+
+    return "mm_encoder_outputs" in inspect.signature(Qwen3VLModel.forward).parameters
+
+
+def sequence_logprobs(model, inputs: dict, temperature: float = 1.0) -> torch.Tensor:
+    """Log-probs of each next token under the policy the engine sampled from: pi(. | T)."""
+    logits = model(**inputs).logits
+    return grpo.token_logprobs(logits[:, :-1], inputs["input_ids"][:, 1:], temperature)
+
+
+def pad_rows(rows: list, device) -> torch.Tensor:
+    out = torch.zeros((len(rows), max(len(r) for r in rows)), device=device)
+    for i, r in enumerate(rows):
+        out[i, :len(r)] = r
+    return out
+
+
+def synced_micro_batches(indices: list[int], size: int, length=None) -> list:
+    """Micro-batches of `indices`, padded with None up to the largest count on any rank.
+
+    With `length` (index -> token count) the sequences are sorted longest first, so each
+    micro-batch holds sequences of similar length and little compute goes to padding. The
+    gradient is a sum over sequences, so the order does not change it. FSDP's forward and
+    backward are collectives, so every rank must run the same number of them; ranks with fewer
+    sequences run a zero-weight filler (None)."""
+    if length is not None:
+        indices = sorted(indices, key=length, reverse=True)
+    local = [indices[i:i + size] for i in range(0, len(indices), size)]
+    return local + [None] * (int(distributed.max_over_ranks(len(local))) - len(local))
+
+
+class MismatchMeter:
+    """Token-weighted logprob mismatch (trainer vs vLLM) over micro-batches and ranks."""
+
+    def __init__(self):
+        self.sums = [0.0, 0.0, 0.0]  # |diff| sum, k3 sum, tokens
+        self.worst = 0.0
+
+    def add(self, logprobs, rollout_logprobs, mask):
+        m, tokens = grpo.logprob_mismatch(logprobs, rollout_logprobs, mask), mask.sum().item()
+        self.sums = [self.sums[0] + m["mismatch_abs_mean"] * tokens, self.sums[1] + m["mismatch_k3"] * tokens,
+                     self.sums[2] + tokens]
+        self.worst = max(self.worst, m["mismatch_abs_max"])
+
+    def result(self) -> dict:
+        """Reduced over all ranks (a collective: every rank must call it)."""
+        abs_sum, k3_sum, tokens = distributed.sum_over_ranks(self.sums)
+        tokens = max(tokens, 1.0)
+        return {"mismatch_abs_mean": abs_sum / tokens, "mismatch_k3": k3_sum / tokens,
+                "mismatch_abs_max": distributed.max_over_ranks(self.worst)}
+
+
+@torch.no_grad()
+def fill_old_logprobs(model, batch: Batch, experiences: list, micro_batch_size: int, device, temperature: float,
+                      with_ref: bool) -> dict:
+    """pi_old (and pi_ref for the KL) of every sampled token, when the update is not single-pass;
+    also the proof that the engine sampled from this same policy (the mismatch)."""
+    mismatch = MismatchMeter()
+    model.eval()
+    for idx in synced_micro_batches(list(range(len(experiences))), micro_batch_size, batch.length):
+        inputs, mask, rollout_lp = batch.micro([0] if idx is None else idx, device)
+        lp = sequence_logprobs(model, inputs, temperature)
+        ref = None
+        if with_ref:
+            with model.disable_adapter():  # the reference policy is the base model
+                ref = sequence_logprobs(model, inputs, temperature)
+        if idx is None:  # a filler: FSDP needs every rank in every forward
+            continue
+        for row, i in enumerate(idx):  # unpadded rows: the update may group them differently
+            n = len(experiences[i].sequence.token_ids) - 1
+            experiences[i].old_logprobs = lp[row, :n].cpu()
+            experiences[i].ref_logprobs = None if ref is None else ref[row, :n].cpu()
+        mismatch.add(lp, rollout_lp, mask)
+    return mismatch.result()
+
+
+
+# ----------------------------------------------------------------------------- the adapter
+
+def gather_lora_state(model) -> dict:
+    """Full (unsharded) LoRA tensors on every rank, keyed as PEFT saves them. Collective."""
+    from peft import get_peft_model_state_dict
+
+    full = {}
+    for name, param in lora_parameters(model):
+        tensor = param.full_tensor() if hasattr(param, "full_tensor") else param
+        full[name] = tensor.detach().to("cpu", torch.float32).contiguous()
+    return get_peft_model_state_dict(model, state_dict=full)
+
+
+def sync_adapter(model, engine, shared: Path, step: int, keep: int, base_model: dict):
+    """Write the current LoRA to <shared>/sync/step_<N> and point this rank's engine at it.
+
+    Collective. Returns the new LoRARequest, the full LoRA state and {sync_s, sync_bytes}."""
+    from vllm.lora.request import LoRARequest
+
+    t0 = time.time()
+    state = gather_lora_state(model)
+    path = shared / "sync" / f"step_{step}"
+    error = None
+    if dist.get_rank() == 0:
+        try:
+            checkpoint.write_adapter(model, state, path, base_model)
+            checkpoint.prune(shared / "sync", "step_", keep, current=step)
+        except checkpoint.WriteError as e:
+            error = str(e)
+    error = distributed.broadcast_object(error)  # every rank stops, not only the one that failed
+    if error:
+        raise SystemExit(f"LoRA sync failed: {error}")
+    # A NEW id and path per step: vLLM loads an id only once, so re-using an id would silently
+    # keep generating with the old weights (and could reuse their prefix-cache blocks).
+    request = LoRARequest(f"policy-step-{step}", step + 1, str(path))
+    engine.llm_engine.add_lora(request)
+    for old in engine.llm_engine.list_loras() - {request.lora_int_id}:
+        engine.llm_engine.remove_lora(old)
+    nbytes = sum(v.numel() * v.element_size() for v in state.values())
+    return request, state, {"sync_s": time.time() - t0, "sync_bytes": nbytes}

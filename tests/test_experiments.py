@@ -1,0 +1,151 @@
+"""Research tools in experiments/: a smoke test each (they are not part of the product)."""
+
+import collections
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import env
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_eval_policy_plays_the_held_out_mazes_like_the_trainer(tmp_path, warm_start, engine):
+    """experiments/eval_policy.py (the generalisation check) plays greedily through the same chat path
+    as train.py's evaluation: its per-maze replies match rollout.play_chat_episodes on an engine
+    of our own. A path that is not an adapter is refused with a clear message."""
+    import rollout
+
+    out = tmp_path / "gen" / "easy.json"
+    proc = subprocess.run([sys.executable, "experiments/eval_policy.py", "--model", str(warm_start), "--difficulty", "easy",
+                           "--n", "2", "--max-turns", "3", "--out", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["difficulty"] == "easy" and result["total"] == 2 and len(result["mazes"]) == 2
+    assert result["solved"] == sum(m["solved"] for m in result["mazes"])
+    chat = rollout.ChatFormat.for_model(str(warm_start))
+    mine = rollout.play_chat_episodes(env.eval_mazes("easy", 2), rollout.engine_replies(engine, None, 8, chat.banned_token_ids),
+                                      max_turns=3, progress=False)
+    assert [m["replies"] for m in result["mazes"]] == [e.replies for e in mine]
+    assert not list(out.parent.glob("*.tmp-*"))  # written atomically
+
+    bad = subprocess.run([sys.executable, "experiments/eval_policy.py", "--model", str(warm_start), "--adapter", str(tmp_path)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "not a PEFT adapter directory" in bad.stderr
+
+
+def test_diagnose_replays_the_greedy_policy_with_oracle_rules(tmp_path, tiny_model):
+    from experiments.diagnose import VARIANTS, blocked
+
+    maze = env.generate_maze(7, seed=0)
+    start = maze.start
+    for move, (dr, dc) in env.MOVE_DELTAS.items():
+        action = env.ACTION_STRINGS[move]
+        assert blocked(maze, start, action) == (not maze.is_open((start[0] + dr, start[1] + dc)))
+    assert not blocked(maze, start, env.STOP_ACTION) and not blocked(maze, start, "garbage")
+
+    proc = subprocess.run([sys.executable, "experiments/diagnose.py", "--model", str(tiny_model), "--n", "2", "--max-turns", "3"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    import re
+
+    rows = [m.groups() for line in proc.stdout.splitlines() if (m := re.fullmatch(r"\s*(\S+): solved (\d)/2", line))]
+    assert [name for name, _ in rows] == list(VARIANTS), proc.stdout
+
+
+def test_failures_classifies_wrong_turns_towards_the_goal_and_two_cell_loops(tmp_path):
+    from experiments.failures import classify
+
+    mazes = env.eval_mazes("small", 3)
+    # the first evaluation maze with a fork on its shortest path: another open move that also
+    # brings the agent closer to the goal
+    def fork(maze):
+        cell = maze.start
+        for i, best in enumerate(env.solve(maze)[:-1]):
+            for move, (dr, dc) in env.MOVE_DELTAS.items():
+                nxt = (cell[0] + dr, cell[1] + dc)
+                closer = abs(nxt[0] - maze.goal[0]) + abs(nxt[1] - maze.goal[1]) < \
+                    abs(cell[0] - maze.goal[0]) + abs(cell[1] - maze.goal[1])
+                if env.ACTION_STRINGS[move] != best and maze.is_open(nxt) and closer:
+                    return i, move
+            dr, dc = env.MOVE_DELTAS[env.ACTION_STRINGS.index(best)]
+            cell = (cell[0] + dr, cell[1] + dc)
+        return None
+
+    index = next(i for i, m in enumerate(mazes) if fork(m))
+    steps, wrong = fork(mazes[index])
+    path = env.solve(mazes[index])
+    back = env.ACTION_STRINGS[(wrong + 2) % 4]
+    bounce = path[:steps] + [env.ACTION_STRINGS[wrong], back] * 8  # in and out, in and out
+    rows = [{"maze_index": i, "solved": i != index, "replies": [f"<answer>{a}</answer>" for a in
+                                                                   (bounce[:15] if i == index else env.solve(m))]}
+            for i, m in enumerate(mazes)]
+    result = {"difficulty": "small", "total": 3, "mazes": rows}
+    counts = classify(result)
+    assert counts["failed"] == 1 and counts["first_wrong_towards_goal"] == 1 and counts["two_cell_loop"] == 1
+    assert counts["mazes"] == 3 and 0 <= counts["monotone_shortest_path"] <= 3
+
+    # an unreadable first reply is a wrong move, but not one towards the goal; a stop off the goal no loop
+    rows[index]["replies"] = ["no idea", f"<answer>{env.STOP_ACTION}</answer>"]
+    assert classify(result) == {**counts, "first_wrong_towards_goal": 0, "two_cell_loop": 0}
+
+    # the training mazes of `eval_policy.py --training-mazes` are replayed as such; a wrong maze is refused
+    stream = env.TrainMazeStream("small")
+    training = {"difficulty": "small", "total": 1, "mazes_played": "training", "mazes": [
+        {"maze_index": 0, "seed": stream.next().seed, "solved": False, "replies": ["no idea"]}]}
+    assert classify(training)["failed"] == 1
+    training["mazes"][0]["seed"] = mazes[0].seed
+    with pytest.raises(SystemExit, match="not the mazes"):
+        classify(training)
+
+    out = tmp_path / "step_0.json"
+    out.write_text(json.dumps(result))
+    proc = subprocess.run([sys.executable, "experiments/failures.py", str(out)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0 and "failed 1/3; first wrong move towards the goal 0" in proc.stdout, proc.stderr
+
+
+def test_forks_sorts_the_shortest_path_turns_by_how_deep_the_wrong_branch_goes(tmp_path, tiny_model):
+    from experiments.forks import branch_depth, turn_kinds
+
+    # A perfect 7x7 maze (nine rooms, eight passages), start top-left, goal bottom-right. From the
+    # start, right leads into a one-room dead end (2 cells) and down is the way; at (3, 1) the route
+    # turns right while a 4-cell branch goes on down and along the bottom row; at (3, 5) it turns
+    # down while a 2-cell branch goes up to the top-right room.
+    rows = ["#######",
+            "#...#.#",
+            "#.###.#",
+            "#.....#",
+            "#.###.#",
+            "#...#.#",
+            "#######"]
+    walls = tuple(tuple(ch == "#" for ch in row) for row in rows)
+    maze = env.Maze(walls=walls, start=(1, 1), goal=(5, 5), seed=-1)
+    assert env.solve(maze) == [env.ACTION_STRINGS[d] for d in (3, 3, 0, 0, 0, 0, 3, 3)] + [env.STOP_ACTION]
+    assert branch_depth(maze, (1, 2), (1, 1)) == 2
+    assert branch_depth(maze, (4, 1), (3, 1)) == 4
+    assert turn_kinds(maze) == ["fork d2", "corridor", "fork d4", "corridor", "corridor", "corridor", "fork d2",
+                                "corridor", "stop"]
+
+    # with a model: one score per turn, every kind accounted for
+    proc = subprocess.run([sys.executable, "experiments/forks.py", "--model", str(tiny_model), "--n", "2"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    import re
+
+    scored = {kind: (int(r), int(t)) for kind, r, t in re.findall(r"(\w+(?: d\d+)?): (\d+)/(\d+)", proc.stdout)}
+    census = subprocess.run([sys.executable, "experiments/forks.py", "--census", "--n", "2"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=120)
+    counts = {kind: int(n) for kind, n in re.findall(r"(\w+(?: d\d+)?): (\d+)\n", census.stdout)}
+    expected = collections.Counter(k for m in env.eval_mazes("small", 2) for k in turn_kinds(m))
+    assert counts == dict(expected) and {k: t for k, (_, t) in scored.items()} == dict(expected), proc.stdout
+    assert all(0 <= r <= t for r, t in scored.values())
+
+    # a directory that is not an adapter is refused
+    refused = subprocess.run([sys.executable, "experiments/forks.py", "--model", str(tiny_model), "--n", "2",
+                              "--adapter", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert refused.returncode != 0 and "not a PEFT adapter directory" in refused.stderr

@@ -1,0 +1,284 @@
+"""The trainer's policy: exact shortcuts in its forward pass, the sync proof, and updates that are
+the same whatever the number of ranks."""
+
+import json
+import multiprocessing
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import env
+import policy
+import train
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def in_fresh_process(target, *args, timeout: int = 300):
+    """Run target(*args, results) in a spawned process (its own world of one); return what it put."""
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    proc = ctx.Process(target=target, args=(*args, results))
+    proc.start()
+    out = None
+    for _ in range(timeout // 5):  # bounded wait, and fail fast if the child died
+        try:
+            out = results.get(timeout=5)
+            break
+        except Exception:
+            assert proc.is_alive(), f"{target.__name__} died (exit code {proc.exitcode})"
+    proc.join(timeout=60)
+    assert out is not None, f"{target.__name__} timed out"
+    return out
+
+
+def demonstrations(chat, n: int, noise: float = 0.5, max_turns: int = 6):
+    """n full-history training sequences of n training mazes (BFS moves with detours)."""
+    import random
+
+    import sft
+
+    reply_ids, _ = sft.reply_tokens(chat)
+    stream = env.TrainMazeStream("small")
+    return [sft.demonstration(stream.next(), chat, reply_ids, random.Random(i), max_turns=max_turns,
+                              max_images=None, cell_px=env.CELL_PX_TINY, noise=noise)[0] for i in range(n)]
+
+
+def perturbed_policy(cfg, model_path):
+    """The FSDP + LoRA policy with LoRA B moved off its zero init, so the adapter's A matrices get
+    gradients too and the adapter changes the model."""
+    model = policy.build_policy(cfg, model_path)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for _, p in policy.lora_parameters(model):
+            local = p.to_local() if hasattr(p, "to_local") else p
+            local.add_(0.05 * torch.randn(local.shape, generator=gen))
+    return model
+
+
+# ----------------------------------------------------------------------------- exact shortcuts
+
+def _features_check(model_dir: str, results):
+    import distributed
+    import rollout
+
+    distributed.init_distributed()
+    cfg = train.Config(lora_rank=8, lora_alpha=16, seed=0)
+    model = perturbed_policy(cfg, model_dir)
+    chat = rollout.ChatFormat.for_model(model_dir)
+    seqs = demonstrations(chat, 3)
+    seqs.append(rollout.Sequence(list(seqs[0].token_ids), list(seqs[0].response_mask),  # shares every image
+                                 list(seqs[0].rollout_logprobs), list(seqs[0].images)))
+    idx = list(range(len(seqs)))
+    model.eval()
+    with torch.no_grad():
+        # the reference: pixels through the model's own forward, with a padding mask
+        plain = policy.Batch(seqs, chat.processor)
+        inputs, mask, _ = plain.micro(idx, torch.device("cpu"))
+        assert "pixel_values" in inputs
+        lengths = torch.tensor([len(s.token_ids) for s in seqs])
+        inputs["attention_mask"] = (torch.arange(inputs["input_ids"].shape[1]) < lengths[:, None]).long()
+        reference = policy.sequence_logprobs(model, inputs)
+        # the trainer's: each distinct image encoded once, no padding mask (causal + right padding)
+        cached = policy.Batch(seqs, chat.processor, model)
+        calls = []
+        tower = policy.vision_tower(model)
+        original = tower.get_image_features
+        tower.get_image_features = lambda pixels, grid, **kw: calls.append(len(grid)) or original(pixels, grid, **kw)
+        got = [policy.sequence_logprobs(model, cached.micro(part, torch.device("cpu"))[0]) for part in ([0, 1], [2, 3])]
+    diff = max(((g - reference[rows, :g.shape[1]]).abs() * mask[rows, :g.shape[1]]).max().item()
+               for g, rows in zip(got, ([0, 1], [2, 3])))
+    distinct = len({rollout.image_digest(image) for s in seqs for image in s.images})
+    results.put({"diff": diff, "encoded": sum(calls), "distinct": distinct,
+                 "images": sum(len(s.images) for s in seqs)})
+
+
+def test_precomputed_image_features_and_no_padding_mask_change_nothing(tiny_model):
+    out = in_fresh_process(_features_check, str(tiny_model))
+    print("features check:", out)
+    assert out["diff"] < 1e-6  # the same log-probs on every trained token
+    # each distinct image went through the vision tower once, the shared ones not again
+    assert out["encoded"] == out["distinct"] < out["images"]
+
+
+# ----------------------------------------------------------------------------- the sync proof
+
+def _sync_check(shared: str, model_dir: str, results):
+    """Update the policy, then compare what the engine samples with what the trainer computes."""
+    import checkpoint
+    import distributed
+    import grpo
+    import rollout
+
+    distributed.init_distributed()
+    cfg = train.Config(lora_rank=8, lora_alpha=16)
+    model = policy.build_policy(cfg, model_dir)
+    base = checkpoint.base_model_record(model_dir)
+    engine = rollout.build_engine(model_dir, max_model_len=4096, max_lora_rank=8, seed=0, external_launcher=True)
+    chat = rollout.ChatFormat.for_model(model_dir)
+    mazes = [env.generate_maze(7, seed=s) for s in (5, 6)]
+
+    def play(request, group_offset):
+        return rollout.play_episodes(engine, chat, mazes, [group_offset, group_offset + 1], samples_per_maze=2,
+                                     max_turns=3, max_new_tokens=6, max_model_len=4096, temperature=1.0,
+                                     seed=0, lora_request=request, progress=False)
+
+    def trainer_mismatch(episodes):
+        batch = policy.Batch([e.sequences[0] for e in episodes], chat.processor, model)
+        with torch.no_grad():
+            inputs, mask, rollout_lp = batch.micro(list(range(len(episodes))), torch.device("cpu"))
+            return grpo.logprob_mismatch(policy.sequence_logprobs(model, inputs), rollout_lp, mask)["mismatch_abs_mean"]
+
+    out = {}
+    request0, _, _ = policy.sync_adapter(model, engine, Path(shared), 0, 5, base)
+    episodes = play(request0, 0)
+    out["before_update"] = trainer_mismatch(episodes)
+
+    # one real optimizer step with a big learning rate and made-up advantages
+    optimizer = torch.optim.AdamW([p for _, p in policy.lora_parameters(model)], lr=5e-2)
+    batch = policy.Batch([e.sequences[0] for e in episodes], chat.processor, model)
+    inputs, mask, rollout_lp = batch.micro(list(range(len(episodes))), torch.device("cpu"))
+    loss, _ = grpo.policy_loss(policy.sequence_logprobs(model, inputs), rollout_lp,
+                               torch.tensor([1.0, -1.0] * (len(episodes) // 2)), mask)
+    loss.backward()
+    optimizer.step()
+    out["old_samples_after_update"] = trainer_mismatch(episodes)  # the policy really moved
+
+    # a fresh rollout through a NEW adapter id and path: the engine runs the updated policy
+    request1, _, stats = policy.sync_adapter(model, engine, Path(shared), 1, 5, base)
+    out["after_sync"] = trainer_mismatch(play(request1, 10))
+    out["sync_bytes"] = stats["sync_bytes"]
+
+    # the pitfall: new weights written under a new path but the OLD id -> vLLM keeps the old weights
+    from vllm.lora.request import LoRARequest
+
+    checkpoint.write_adapter(model, policy.gather_lora_state(model), Path(shared) / "sync" / "reused", base)
+    stale = LoRARequest("reused-id", request0.lora_int_id, str(Path(shared) / "sync" / "reused"))
+    engine.llm_engine.add_lora(request0)  # the old adapter is still cached under that id
+    out["reused_id"] = trainer_mismatch(play(stale, 20))
+    results.put(out)
+    import torch.distributed as dist
+    dist.barrier()
+    del engine
+
+
+def test_engine_runs_the_current_policy_after_every_sync(tmp_path, tiny_model):
+    out = in_fresh_process(_sync_check, str(tmp_path), str(tiny_model), timeout=600)
+    print("sync check:", out)
+    assert out["before_update"] < 1e-3
+    assert out["old_samples_after_update"] > 1e-2  # the update changed the policy
+    assert out["after_sync"] < 1e-3  # ... and after the sync vLLM samples from the new one
+    assert out["reused_id"] > 1e-2  # re-using an id would have kept the stale adapter
+    assert out["sync_bytes"] > 0
+
+
+# ----------------------------------------------------------------------------- the update's shortcuts
+
+class GradientRecorder:
+    """Stands in for the optimizer and scheduler: keeps the gradient of each step."""
+
+    def __init__(self, params):
+        self.param_groups = [{"params": params}]
+        self.grads = []
+
+    def zero_grad(self, set_to_none=True):
+        for p in self.param_groups[0]["params"]:
+            p.grad = None
+
+    def step(self):
+        self.grads.append([p.grad.full_tensor().clone() if p.grad is not None else torch.zeros(p.shape)
+                           for p in self.param_groups[0]["params"]])
+
+    def get_last_lr(self):
+        return [0.0]
+
+
+def _update_check(model_dir: str, results):
+    """The single-pass update that skips zero-advantage sequences computes the same LoRA gradient
+    as running every sequence against separately computed old logprobs, and as the loss by hand."""
+    import distributed
+    import grpo
+    import rollout
+
+    distributed.init_distributed()
+    cfg = train.Config(lora_rank=8, lora_alpha=16, micro_batch_size=2, max_grad_norm=1e9, tis_cap=0)
+    model = perturbed_policy(cfg, model_dir)
+    chat = rollout.ChatFormat.for_model(model_dir)
+    sequences = demonstrations(chat, 4, max_turns=4)
+    batch = policy.Batch(sequences, chat.processor, model)
+    advantages = [1.0, 0.0, -0.5, 0.0]
+
+    def experiences():
+        return [policy.Experience(s, a * torch.tensor(s.response_mask[1:], dtype=torch.float32), i)
+                for i, (s, a) in enumerate(zip(sequences, advantages))]
+
+    rec = GradientRecorder([p for _, p in policy.lora_parameters(model)])
+    stats = train.grpo_update(cfg, model, rec, rec, batch, experiences(), 4, torch.device("cpu"))
+    two_pass = experiences()
+    policy.fill_old_logprobs(model, batch, two_pass, 2, torch.device("cpu"), 1.0, with_ref=False)
+    train.grpo_update(cfg, model, rec, rec, batch, two_pass, 4, torch.device("cpu"))
+    rec.zero_grad()  # by hand: every sequence, normalised by all response tokens
+    inputs, mask, _ = batch.micro([0, 1, 2, 3], torch.device("cpu"))
+    lp = policy.sequence_logprobs(model, inputs)
+    loss, _ = grpo.policy_loss(lp, lp.detach(), torch.tensor(advantages), mask)
+    loss.backward()
+    rec.step()
+    g = rec.grads
+    results.put({"trained_sequence_frac": stats["trained_sequence_frac"],
+                 "grad_norm": sum(x.norm() ** 2 for x in g[2]).sqrt().item(),
+                 "single_vs_two_pass": max((a - b).abs().max().item() for a, b in zip(g[0], g[1])),
+                 "single_vs_by_hand": max((a - b).abs().max().item() for a, b in zip(g[0], g[2]))})
+
+
+def test_single_pass_update_that_skips_zero_advantages_has_the_full_gradient(tiny_model):
+    out = in_fresh_process(_update_check, str(tiny_model))
+    print("update check:", out)
+    assert out["trained_sequence_frac"] == 0.5  # the two zero-advantage sequences were not run
+    assert out["grad_norm"] > 1e-4  # a real gradient, not zeros everywhere
+    assert out["single_vs_two_pass"] < 1e-6 * max(1.0, out["grad_norm"])
+    assert out["single_vs_by_hand"] < 1e-6 * max(1.0, out["grad_norm"])
+
+
+def test_two_ranks_match_one_rank(tmp_path, tiny_model):
+    """One GRPO update on a fixed batch of 8 episodes: split over two ranks (each holding half of
+    every group, so the advantages need the other rank's rewards) it gives the same gradient as
+    one rank holding all 8. Loss normalisation, advantage gathering and FSDP's averaging together."""
+    worker = ROOT / "tests" / "update_worker.py"
+    one, two = tmp_path / "one.pt", tmp_path / "two.pt"
+    runs = [[sys.executable, str(worker), str(tiny_model), str(one)],
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(worker),
+             str(tiny_model), str(two)]]
+    for cmd in runs:
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                              env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    a, b = torch.load(one), torch.load(two)
+    assert a["sequences"] == b["sequences"] == 8 and a["world"] == 1 and b["world"] == 2
+    assert a["advantages"] == pytest.approx(b["advantages"])
+    norm = sum(g.norm() ** 2 for g in a["grads"].values()).sqrt().item()
+    assert norm > 1e-5  # a real gradient
+    worst = max((a["grads"][k] - b["grads"][k]).abs().max().item() for k in a["grads"])
+    print(f"two ranks vs one: gradient norm {norm:.4g}, largest difference {worst:.3g}")
+    assert worst < 1e-5 * norm
+
+
+# ----------------------------------------------------------------------------- bad models
+
+def test_model_mistakes_are_one_clear_line(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # a hub id cannot be fetched: as on an offline node
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "llama").mkdir()
+    (tmp_path / "llama" / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "config.json").write_text("{not json")
+    cases = [(str(tmp_path / "missing" / "model"), "no such directory"),
+             (str(tmp_path / "empty"), "not a model directory (no config.json)"),
+             (str(tmp_path / "llama"), "a 'llama' model; this trainer needs a Qwen3-VL one"),
+             (str(tmp_path / "broken"), "config.json: unreadable"),
+             ("nobody/no-such-model", "not a local directory, and the hub copy could not be had")]
+    for model, message in cases:
+        with pytest.raises(SystemExit, match=message.replace("(", r"\(").replace(")", r"\)")):
+            policy.resolve_model(model, collective=False)
