@@ -6,6 +6,7 @@ and pixels of its frames. Nothing here runs VisGym.
 """
 
 import hashlib
+import importlib.util
 import json
 import re
 import sys
@@ -200,3 +201,21 @@ def test_skyrl_shaped_reward():
                                 "<justification>y</justification><action>z</action>"], solved=False) == 0.0
     with pytest.raises(ValueError):
         skyrl_shaped_reward([], solved=False)
+
+
+# -----------------------------------------------------------------------------
+# experiments/count_fits.py helpers (the script itself is not run here)
+
+def test_count_fits_enumerates_all_spanning_trees_of_small_grids():
+    spec = importlib.util.spec_from_file_location("count_fits", ROOT / "experiments" / "count_fits.py")
+    count_fits = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(count_fits)
+    for n, expected in [(2, 4), (3, 192)]:
+        trees = list(count_fits.spanning_trees(n))
+        assert len(trees) == expected == count_fits.kirchhoff_count(n)
+        assert len({frozenset(t) for t in trees}) == expected
+    # 2x2 rooms (5x5 mazes): a tree drops one edge of the 4-cycle, so each diagonal stays 2 room
+    # steps (4 moves + stop) in all 4 trees
+    histogram = count_fits.turns_histogram(2)
+    assert sum(histogram.values()) == 8 and histogram == {5: 8}
+    assert count_fits.share_fitting(histogram, 4) == 0 and count_fits.share_fitting(histogram, 5) == 1
