@@ -213,24 +213,36 @@ def save(cfg, model, optimizer, scheduler, lora_state, step, stream, hours, out:
                                            "python": random.getstate()})
     tmp, error = None, None
     if dist.get_rank() == 0:
+        meta = {"step": step, "stream": stream.state_dict(), "process_hours": hours,
+                "world_size": dist.get_world_size(), "config": dataclasses.asdict(cfg)}
+        trainer_state = {"optimizer": optim_state, "scheduler": scheduler.state_dict(), "rng": rngs}
         try:
-            tmp = out / "checkpoints" / f".step_{step}.tmp-{uuid.uuid4().hex[:8]}"
-            tmp.mkdir(parents=True)
-            write_adapter_files(model, lora_state, tmp, base)
-            torch.save({"optimizer": optim_state, "scheduler": scheduler.state_dict(), "rng": rngs},
-                       tmp / "trainer_state.pt")
-            if os.environ.get("GRPO_TEST_KILL_IN_CHECKPOINT") == str(step) and \
-                    os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
-                os.kill(os.getpid(), 9)  # tests/test_launch.py: die mid-write (first attempt only)
-            seal(tmp, {"step": step, "stream": stream.state_dict(), "process_hours": hours,
-                       "world_size": dist.get_world_size(), "config": dataclasses.asdict(cfg)})
-        except OSError as e:
-            remove_tmp(tmp) if tmp else None
-            error = f"checkpoint step_{step} not written ({e.strerror or e}); the previous one stays the newest"
+            tmp = write_checkpoint(out, step, model, lora_state, trainer_state, meta, base)
+        except WriteError as e:
+            error = str(e)
     error = distributed.broadcast_object(error)
     if error:
         raise SystemExit(error)
     return tmp
+
+
+def write_checkpoint(out: Path, step: int, model, lora_state: dict, trainer_state: dict, meta: dict, base) -> Path:
+    """The checkpoint's files in a hidden temp dir, sealed (meta.json last); returns the dir. If
+    the disk refuses (full, read-only), the temp dir goes and WriteError says so."""
+    tmp = out / "checkpoints" / f".step_{step}.tmp-{uuid.uuid4().hex[:8]}"
+    try:
+        tmp.mkdir(parents=True)
+        write_adapter_files(model, lora_state, tmp, base)
+        torch.save(trainer_state, tmp / "trainer_state.pt")
+        if os.environ.get("GRPO_TEST_KILL_IN_CHECKPOINT") == str(step) and \
+                os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+            os.kill(os.getpid(), 9)  # tests/test_launch.py: die mid-write (first attempt only)
+        seal(tmp, meta)
+        return tmp
+    except (OSError, RuntimeError) as e:  # torch.save reports a failed write as a RuntimeError
+        remove_tmp(tmp)
+        reason = getattr(e, "strerror", None) or str(e).splitlines()[0]
+        raise WriteError(f"checkpoint step_{step} not written ({reason}); the previous one stays the newest") from e
 
 
 def load(path: Path, cfg, model, optimizer, scheduler, stream, log=print) -> tuple[int, float]:
@@ -247,13 +259,14 @@ def load(path: Path, cfg, model, optimizer, scheduler, stream, log=print) -> tup
                          "same ones, start a new --out-dir, or pass --resume-allow-changes true to apply the new ones.")
     load_lora_state(model, path / "adapter_model.safetensors")
     state = torch.load(path / "trainer_state.pt", map_location="cpu", weights_only=False)
+    fresh = list(scheduler.base_lrs)  # this run's rates (per group), before the saved ones replace them
     set_optimizer_state_dict(model, optimizer, optim_state_dict=state["optimizer"],
                              options=StateDictOptions(full_state_dict=True))
     scheduler.load_state_dict(state["scheduler"])
     if changes:  # the saved optimizer and schedule carry the old values: put the new ones in
-        scheduler.base_lrs = [cfg.lr] * len(scheduler.base_lrs)
-        for group, factor in zip(optimizer.param_groups, scheduler.lr_lambdas):
-            group.update(lr=cfg.lr * factor(scheduler.last_epoch), weight_decay=cfg.weight_decay)
+        scheduler.base_lrs = fresh
+        for group, base, factor in zip(optimizer.param_groups, fresh, scheduler.lr_lambdas):
+            group.update(lr=base * factor(scheduler.last_epoch), weight_decay=cfg.weight_decay)
         scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
         log(f"resuming with changed settings: {'; '.join(changes)}")
     rng = state["rng"][dist.get_rank() % len(state["rng"])]
@@ -318,7 +331,8 @@ MEANINGFUL = ("model", "difficulty", "env_style", "cell_px", "max_turns", "train
               "max_images", "train_pool", "eval_mazes", "prompts_per_step", "group_size", "temperature",
               "scale_adv_by_std", "clip_eps_low", "clip_eps_high", "loss_aggregation", "kl_coef",
               "step_adv_weight", "gamma", "tis_cap", "lr", "weight_decay", "warmup_steps", "lr_schedule",
-              "max_grad_norm", "num_mini_batches", "lora_rank", "lora_alpha", "lora_dropout", "lora_targets", "seed")
+              "max_grad_norm", "num_mini_batches", "lora_rank", "lora_alpha", "lora_dropout", "lora_plus_ratio",
+              "lora_targets", "seed")
 
 
 def config_changes(saved: dict, current: dict) -> list[str]:

@@ -202,6 +202,11 @@ MAZE_STYLES = ("ours", "visgym")
 _GENERATORS = {"ours": generate_maze, "visgym": generate_maze_visgym}
 
 
+def cell_px_of(style: str, cell_px: int | None = None) -> int:
+    """The cell size a style draws with: `cell_px` if given (non-zero), else the style's own."""
+    return cell_px or (CELL_PX_VISGYM if style == "visgym" else CELL_PX_TINY)
+
+
 def _check_style(style: str) -> str:
     if style not in MAZE_STYLES:
         raise ValueError(f"unknown style {style!r}; choose one of {list(MAZE_STYLES)}")
@@ -527,9 +532,13 @@ class MazeEnv:
         if verbalize and style != "visgym":
             raise ValueError("verbalize is a VisGym-style option")
         self.verbalize = verbalize
-        self.cell_px = cell_px if cell_px is not None else (CELL_PX_VISGYM if style == "visgym" else CELL_PX_TINY)
+        self.cell_px = cell_px_of(style, cell_px)
         self.instructions = visgym_prompt(maze.size, verbalize) if style == "visgym" else INSTRUCTIONS
         self.reset()
+
+    def first_text(self, first: Observation) -> str:
+        """The first user turn's text: the task's instructions, then the first observation."""
+        return self.instructions + "\n" + first.text
 
     def reset(self) -> Observation:
         self.agent = self.maze.start

@@ -161,8 +161,10 @@ class ChatFormat:
     def _ids(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
-    def first_turn(self, observation_text: str, with_image: bool = True) -> list[int]:
-        message = self.user_turn(env.INSTRUCTIONS + "\n" + observation_text, with_image)
+    def first_turn(self, text: str, with_image: bool = True) -> list[int]:
+        """The first user turn: the task's instructions and the first observation (env.MazeEnv's
+        first_text), with the image unless told otherwise."""
+        message = self.user_turn(text, with_image)
         return self._ids(self.processor.apply_chat_template([message], add_generation_prompt=True,
                                                             tokenize=False))
 
@@ -257,7 +259,7 @@ class Episode:
 
 def play_episodes(engine, chat: ChatFormat, mazes: list, group_ids: list, *, samples_per_maze: int,
                   max_turns: int, max_new_tokens: int, max_model_len: int, temperature: float,
-                  seed: int, lora_request=None, cell_px: int = env.CELL_PX_TINY,
+                  seed: int, lora_request=None, cell_px: int | None = None, style: str = "ours",
                   max_images: int | None = None, min_new_tokens: int = 0, desc: str = "rollout",
                   progress: bool = True) -> list:
     """Play every maze `samples_per_maze` times to the end; return the finished episodes.
@@ -285,10 +287,11 @@ def play_episodes(engine, chat: ChatFormat, mazes: list, group_ids: list, *, sam
     for maze, group_id in zip(mazes, group_ids):
         for member in range(samples_per_maze):
             episode = Episode(maze=maze, group_id=group_id, sample_id=group_id * samples_per_maze + member)
-            game = env.MazeEnv(maze, max_turns=max_turns, cell_px=cell_px)
+            game = env.MazeEnv(maze, max_turns=max_turns, cell_px=cell_px or None, style=style)
             obs = game.reset()
-            episode.user_turns.append(chat.first_turn(obs.text))
-            episode.user_turns_text_only.append(chat.first_turn(obs.text, with_image=False) if max_images else [])
+            episode.user_turns.append(chat.first_turn(game.first_text(obs)))
+            episode.user_turns_text_only.append(chat.first_turn(game.first_text(obs), with_image=False)
+                                                if max_images else [])
             add_image(episode, obs.image)
             episodes.append(episode)
             games.append(game)
@@ -422,16 +425,16 @@ def drop_old_images(conversation: list, max_images: int | None) -> list:
             for i, m in enumerate(conversation)]
 
 
-def play_chat_episodes(mazes: list, reply_fn, *, max_turns: int, cell_px: int = env.CELL_PX_TINY,
+def play_chat_episodes(mazes: list, reply_fn, *, max_turns: int, cell_px: int | None = None, style: str = "ours",
                        max_images: int | None = None, desc: str = "eval", progress: bool = True) -> list:
     """Play each maze once, every turn asking `reply_fn` for all active conversations at once."""
     episodes, games, conversations = [], [], []
     for i, maze in enumerate(mazes):
-        game = env.MazeEnv(maze, max_turns=max_turns, cell_px=cell_px)
+        game = env.MazeEnv(maze, max_turns=max_turns, cell_px=cell_px or None, style=style)
         obs = game.reset()
         episodes.append(Episode(maze=maze, group_id=i, sample_id=i))
         games.append(game)
-        conversations.append([chat_user_message(env.INSTRUCTIONS + "\n" + obs.text, obs.image)])
+        conversations.append([chat_user_message(game.first_text(obs), obs.image)])
     bar = tqdm(total=len(mazes), desc=desc, unit="maze", disable=not progress, leave=False)
     while active := [i for i, e in enumerate(episodes) if not e.done]:
         replies = reply_fn([drop_old_images(conversations[i], max_images) for i in active])

@@ -439,16 +439,16 @@ def vision_token_ids(url: str, api_key: str = "", processor: str = "") -> list[i
 
 
 def evaluate(url: str, model: str, *, difficulty: str = "small", n: int = 64, max_turns: int = 15,
-             max_new_tokens: int = 32, max_images: int | None = None, cell_px: int = env.CELL_PX_TINY,
+             max_new_tokens: int = 32, max_images: int | None = None, cell_px: int = 0, style: str = "ours",
              api_key: str = "", processor: str = "", concurrency: int = 64, progress: bool = True) -> dict:
     """Greedy play of the eval mazes through the server: `train.evaluate`'s JSON, without `step`."""
-    mazes = env.eval_mazes(difficulty, n)
+    mazes = env.eval_mazes(difficulty, n, style)
     banned = vision_token_ids(url, api_key, processor)
     episodes = rollout.play_chat_episodes(
-        mazes, http_replies(url, model, max_new_tokens, api_key, banned, concurrency),
-        max_turns=max_turns, cell_px=cell_px, max_images=max_images, desc=f"eval {model}", progress=progress)
+        mazes, http_replies(url, model, max_new_tokens, api_key, banned, concurrency), max_turns=max_turns,
+        cell_px=cell_px, style=style, max_images=max_images, desc=f"eval {model}", progress=progress)
     return rollout.eval_result(rollout.eval_rows(episodes, list(range(len(episodes))), max_turns), max_turns,
-                               model=model, difficulty=difficulty)
+                               model=model, difficulty=difficulty, env_style=style)
 
 
 def eval_main(argv: list[str]):
@@ -461,7 +461,8 @@ def eval_main(argv: list[str]):
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--max-images", type=int, default=0,
                         help="keep only the last k images in the conversation, like train.py; 0: all")
-    parser.add_argument("--cell-px", type=int, default=env.CELL_PX_TINY)
+    parser.add_argument("--cell-px", type=int, default=0, help="0: the style's own (32 ours, 25 visgym)")
+    parser.add_argument("--env-style", default="ours", choices=list(env.MAZE_STYLES))
     parser.add_argument("--api-key", default=os.environ.get("VLLM_API_KEY", ""))
     parser.add_argument("--processor", default="",
                         help="base model dir or id for its token ids; default: the path the server reports")
@@ -473,7 +474,7 @@ def eval_main(argv: list[str]):
     try:
         result = evaluate(args.url, args.model, difficulty=args.difficulty, n=args.n, max_turns=args.max_turns,
                           max_new_tokens=args.max_new_tokens, max_images=args.max_images or None,
-                          cell_px=args.cell_px, api_key=args.api_key, processor=args.processor,
+                          cell_px=args.cell_px, style=args.env_style, api_key=args.api_key, processor=args.processor,
                           concurrency=args.concurrency)
     except AuthenticationError:
         raise SystemExit(f"{args.url}: 401, the server wants its API key (--api-key or $VLLM_API_KEY)")

@@ -49,13 +49,13 @@ ROOT = Path(__file__).resolve().parent
 
 
 def demonstration(maze, chat: rollout.ChatFormat, reply_ids: dict, rng: random.Random, *, max_turns: int,
-                  max_images: int | None, cell_px: int, noise: float, max_detour: int = 1) -> list:
+                  max_images: int | None, cell_px: int, noise: float, max_detour: int = 1, style: str = "ours") -> list:
     """Play one maze with the BFS policy (plus noise); return its training sequences."""
-    game = env.MazeEnv(maze, max_turns=max_turns, cell_px=cell_px)
+    game = env.MazeEnv(maze, max_turns=max_turns, cell_px=cell_px or None, style=style)
     obs = game.reset()
     episode = rollout.Episode(maze=maze, group_id=0, sample_id=0)
-    episode.user_turns.append(chat.first_turn(obs.text))
-    episode.user_turns_text_only.append(chat.first_turn(obs.text, with_image=False))
+    episode.user_turns.append(chat.first_turn(game.first_text(obs)))
+    episode.user_turns_text_only.append(chat.first_turn(game.first_text(obs), with_image=False))
     episode.images.append(obs.image)
     trained = []  # per turn: is this reply a demonstration (True) or noise (False)?
     detour, last_move = 0, None  # wrong moves still to play; the previous move (0-3, 4 = stop)
@@ -102,11 +102,11 @@ def reply_tokens(chat: rollout.ChatFormat) -> tuple[dict, int]:
     return reply_ids, chat._ids("<answer>")[0]
 
 
-def training_mazes(difficulties: list[str], pool: int = 0):
+def training_mazes(difficulties: list[str], pool: int = 0, style: str = "ours"):
     """Each size's training stream (never an evaluation layout of that size), and an endless
     iterator that takes one maze from each stream in turn. `pool` > 0: each stream replays its
     first `pool` mazes (env.TrainMazeStream)."""
-    streams = [env.TrainMazeStream(d, pool=pool) for d in difficulties]
+    streams = [env.TrainMazeStream(d, pool=pool, style=style) for d in difficulties]
     return streams, (streams[i % len(streams)].next() for i in itertools.count())
 
 
@@ -174,7 +174,9 @@ def main():
     parser.add_argument("--max-detour", type=int, default=3, help="longest detour, in wrong moves")
     parser.add_argument("--max-turns", type=int, default=15)
     parser.add_argument("--max-images", type=int, default=0, help="0: full image history (the walkthrough's format)")
-    parser.add_argument("--cell-px", type=int, default=env.CELL_PX_TINY)
+    parser.add_argument("--cell-px", type=int, default=0, help="0: the style's own (32 ours, 25 visgym)")
+    parser.add_argument("--env-style", default="ours", choices=list(env.MAZE_STYLES),
+                        help="ours, or visgym: VisGym's mazes for a seed, drawing, texts and parser")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log-every", type=int, default=50)
     parser.add_argument("--freeze-vision", type=int, default=1,
@@ -201,14 +203,14 @@ def main():
     schedule = get_scheduler("cosine", optimizer, num_warmup_steps=args.warmup, num_training_steps=args.steps)
 
     _, mazes = training_mazes([args.difficulty, *filter(None, args.also_train_on.split(","))],
-                              pool=args.train_pool)
+                              pool=args.train_pool, style=args.env_style)
     pool, log, t_start, mazes_seen = [], [], time.time(), 0
     bar = tqdm(range(args.steps), desc="sft", unit="step")
     for step in bar:
         while len(pool) < args.batch_size:
             pool += demonstration(next(mazes), chat, reply_ids, rng, max_turns=args.max_turns,
                                   max_images=args.max_images or None, cell_px=args.cell_px, noise=args.noise,
-                                  max_detour=args.max_detour)
+                                  max_detour=args.max_detour, style=args.env_style)
             mazes_seen += 1
         rng.shuffle(pool)
         sequences, pool = pool[:args.batch_size], pool[args.batch_size:]
@@ -236,10 +238,10 @@ def main():
     # Does the policy read the image? Demonstrations on the held-out evaluation mazes (evaluated on,
     # never trained on), with their real images and with shuffled ones.
     held_out = []
-    for maze in env.eval_mazes(args.difficulty, 32):
+    for maze in env.eval_mazes(args.difficulty, 32, args.env_style):
         held_out += demonstration(maze, chat, reply_ids, rng, max_turns=args.max_turns,
                                   max_images=args.max_images or None, cell_px=args.cell_px, noise=args.noise,
-                                  max_detour=args.max_detour)
+                                  max_detour=args.max_detour, style=args.env_style)
     check = {"heldout_action_accuracy": action_accuracy(model, processor, held_out, answer_id),
              "heldout_action_accuracy_shuffled_images": action_accuracy(model, processor, held_out, answer_id,
                                                                         shuffle_images=random.Random(0))}

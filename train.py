@@ -57,7 +57,8 @@ class Config:
     # model and task
     model: str = ""  # any HF Qwen3-VL directory or hub id; empty: the tiny model, built on first use
     difficulty: str = "small"  # tiny 5x5 | small 7x7 | easy 9x9 (VisGym) | hard 11x11 (VisGym)
-    cell_px: int = env.CELL_PX_TINY
+    env_style: str = "ours"  # or visgym: VisGym's maze for a seed, drawing, texts and parser (env.py)
+    cell_px: int = 0  # 0: the style's own (32 px ours: one cell per merged visual token; 25 visgym)
     max_turns: int = 15
     train_max_turns: int = 0  # the training rollouts' turn limit (0: max_turns)
     max_new_tokens: int = 32  # per turn
@@ -89,6 +90,7 @@ class Config:
     lora_rank: int = 0  # 0: 32 (the published recipe) for real models, 8 for the tiny one
     lora_alpha: int = 0  # 0: 2 * rank
     lora_dropout: float = 0.0
+    lora_plus_ratio: float = 0.0  # LoRA+: B learns this many times faster than A (lr); 0: the same rate
     lora_targets: str = rollout.LORA_TARGET_REGEX
     shard_group_size: int = 0  # processes that shard one copy of the policy; 0: one node (HSDP)
     # engine
@@ -113,6 +115,8 @@ class Config:
         problems = []
         if self.difficulty not in env.DIFFICULTY_SIZES:
             problems.append(f"difficulty must be one of {list(env.DIFFICULTY_SIZES)}")
+        if self.env_style not in env.MAZE_STYLES:
+            problems.append(f"env_style must be one of {list(env.MAZE_STYLES)}")
         if self.prompts_per_step % world_size:
             problems.append(f"prompts_per_step ({self.prompts_per_step}) must be a multiple of the "
                             f"number of processes ({world_size}) so every rank does the same work")
@@ -255,21 +259,22 @@ def evaluate(cfg, engine, chat, lora_request, step: int, out: Path) -> dict:
     """Greedy play of the fixed evaluation mazes, split over ranks, through the chat API exactly as
     `serve.py eval` plays them over HTTP (rollout.play_chat_episodes); rank 0 writes the JSON.
     With sampled_eval_samples, also the mean solve rate of that many sampled episodes per maze."""
-    mazes = env.eval_mazes(cfg.difficulty, cfg.eval_mazes)
+    mazes = env.eval_mazes(cfg.difficulty, cfg.eval_mazes, cfg.env_style)
     mine = list(range(dist.get_rank(), len(mazes), dist.get_world_size()))
     episodes = rollout.play_chat_episodes(
         [mazes[i] for i in mine], rollout.engine_replies(engine, lora_request, cfg.max_new_tokens, chat.banned_token_ids),
-        max_turns=cfg.max_turns, cell_px=cfg.cell_px, max_images=cfg.max_images or None, desc=f"eval@{step}",
+        max_turns=cfg.max_turns, cell_px=cfg.cell_px, style=cfg.env_style, max_images=cfg.max_images or None,
+        desc=f"eval@{step}",
         progress=cfg.progress and dist.get_rank() == 0)
     rows = [row for part in distributed.all_gather_objects(rollout.eval_rows(episodes, mine, cfg.max_turns))
             for row in part]
-    result = rollout.eval_result(rows, cfg.max_turns, step=step, difficulty=cfg.difficulty)
+    result = rollout.eval_result(rows, cfg.max_turns, step=step, difficulty=cfg.difficulty, env_style=cfg.env_style)
     if cfg.sampled_eval_samples and (step == 0 or step == cfg.steps):
         sampled = rollout.play_episodes(
             engine, chat, [mazes[i] for i in mine], mine, samples_per_maze=cfg.sampled_eval_samples,
             max_turns=cfg.max_turns, max_new_tokens=cfg.max_new_tokens, max_model_len=cfg.max_model_len,
             temperature=cfg.temperature, seed=cfg.seed + 1, lora_request=lora_request, cell_px=cfg.cell_px,
-            max_images=cfg.max_images or None, desc=f"sampled eval@{step}", progress=False)
+            style=cfg.env_style, max_images=cfg.max_images or None, desc=f"sampled eval@{step}", progress=False)
         solved, total = distributed.sum_over_ranks([sum(e.solved for e in sampled), len(sampled)])
         result["sampled_solve_rate"] = solved / total
     if dist.get_rank() == 0:
@@ -279,6 +284,19 @@ def evaluate(cfg, engine, chat, lora_request, step: int, out: Path) -> dict:
 
 
 # ----------------------------------------------------------------------------- the loop
+
+def make_optimizer(model, cfg: Config):
+    """AdamW over the LoRA weights. With lora_plus_ratio, LoRA+ (Hayou et al. 2024,
+    arXiv:2402.12354; PEFT's create_loraplus_optimizer): B at lr * ratio, A at lr. B starts at
+    zero and A at random, so a step that is large for B is violent for A; one rate for both
+    makes the adapter learn far slower than full fine-tuning at the same rate."""
+    if cfg.lora_plus_ratio:
+        from peft.optimizers import create_loraplus_optimizer
+
+        return create_loraplus_optimizer(model, torch.optim.AdamW, lr=cfg.lr, loraplus_lr_ratio=cfg.lora_plus_ratio,
+                                         weight_decay=cfg.weight_decay)
+    return torch.optim.AdamW([p for _, p in policy.lora_parameters(model)], lr=cfg.lr, weight_decay=cfg.weight_decay)
+
 
 def make_scheduler(optimizer, cfg: Config):
     """transformers' schedules: a linear warm-up from 0, then constant or a cosine decay to 0."""
@@ -309,10 +327,9 @@ def main(cfg: Config):
     chat = rollout.ChatFormat.for_model(model_path)
     # The policy first (identical seed on every rank), then this rank's engine (its own seed).
     model = policy.build_policy(cfg, model_path)
-    optimizer = torch.optim.AdamW([p for _, p in policy.lora_parameters(model)], lr=cfg.lr,
-                                  weight_decay=cfg.weight_decay)
+    optimizer = make_optimizer(model, cfg)
     scheduler = make_scheduler(optimizer, cfg)
-    stream = env.TrainMazeStream(cfg.difficulty, eval_n=cfg.eval_mazes, pool=cfg.train_pool)
+    stream = env.TrainMazeStream(cfg.difficulty, eval_n=cfg.eval_mazes, pool=cfg.train_pool, style=cfg.env_style)
 
     start_step, hours = 0, 0.0
     ckpt = distributed.broadcast_object(str(checkpoint.find(out, cfg.resume, warn=log0) or "") if rank == 0 else None)
@@ -336,7 +353,8 @@ def main(cfg: Config):
     engine = rollout.build_engine(model_path, max_model_len=cfg.max_model_len, max_lora_rank=cfg.lora_rank,
                                   seed=cfg.seed + rank, gpu_memory_utilization=cfg.gpu_memory_utilization,
                                   max_images=cfg.max_turns + 1, external_launcher=True,
-                                  max_image_px=env.DIFFICULTY_SIZES[cfg.difficulty] * cfg.cell_px,
+                                  max_image_px=env.DIFFICULTY_SIZES[cfg.difficulty]
+                                  * env.cell_px_of(cfg.env_style, cfg.cell_px),
                                   # vLLM reports the raw model's log-probs by default; at another
                                   # temperature, those of the tempered distribution it sampled from
                                   **({"logprobs_mode": "processed_logprobs"} if cfg.temperature != 1.0 else {}))
@@ -363,8 +381,8 @@ def main(cfg: Config):
             engine, chat, [mazes[i] for i in mine], [step * cfg.prompts_per_step + i for i in mine],
             samples_per_maze=cfg.group_size, max_turns=cfg.train_max_turns or cfg.max_turns,
             max_new_tokens=cfg.max_new_tokens, max_model_len=cfg.max_model_len, temperature=cfg.temperature,
-            seed=cfg.seed, lora_request=lora_request, cell_px=cfg.cell_px, max_images=cfg.max_images or None,
-            desc=f"rollout@{step + 1}", progress=cfg.progress and rank == 0)
+            seed=cfg.seed, lora_request=lora_request, cell_px=cfg.cell_px, style=cfg.env_style,
+            max_images=cfg.max_images or None, desc=f"rollout@{step + 1}", progress=cfg.progress and rank == 0)
         if on_gpu:
             # Time-slicing: the engine gives the GPU to the trainer. Level 1 moves the weights to
             # CPU RAM and drops the KV cache; level 2 would discard the base weights we still need.

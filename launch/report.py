@@ -49,11 +49,11 @@ def plot_curves(run: Path, evals: list[dict]) -> Path:
     return path
 
 
-def replay_gif(run: Path, result: dict, cell_px: int, max_turns: int) -> Path:
+def replay_gif(run: Path, result: dict, cell_px: int, max_turns: int, style: str = "ours") -> Path:
     """Replay the logged replies of one eval maze (the first solved one, else the first)."""
     row = next((r for r in result["mazes"] if r["solved"]), result["mazes"][0])
-    maze = env.eval_mazes(result["difficulty"], row["maze_index"] + 1)[row["maze_index"]]
-    game = env.MazeEnv(maze, max_turns=max_turns, cell_px=cell_px)
+    maze = env.eval_mazes(result["difficulty"], row["maze_index"] + 1, style)[row["maze_index"]]
+    game = env.MazeEnv(maze, max_turns=max_turns, cell_px=cell_px or None, style=style)
     frames = [game.reset().image]
     for reply in row["replies"]:
         if game.done:
@@ -134,7 +134,7 @@ def main():
         config = json.loads((run / "config.json").read_text())
         loaded[run] = evals, config
         print(f"curve: {plot_curves(run, evals)}")
-        print(f"episode: {replay_gif(run, evals[-1], config['cell_px'], config['max_turns'])}")
+        print(f"episode: {replay_gif(run, evals[-1], config['cell_px'], config['max_turns'], config.get('env_style', 'ours'))}")
     evals, config = loaded[args.runs[0]]
     if len(args.runs) == 1:
         best = max(evals, key=lambda r: r["solve_rate"])

@@ -116,6 +116,31 @@ def test_a_full_disk_leaves_the_previous_adapter_and_says_so(tmp_path, monkeypat
     assert sorted(p.name for p in final.parent.iterdir()) == ["step_2"]
 
 
+def test_a_full_disk_during_a_checkpoint_leaves_the_previous_one_newest(tmp_path, monkeypatch):
+    import torch
+
+    previous = fake_checkpoint(tmp_path / "checkpoints", 2)
+    checkpoint.atomic_write_text(tmp_path / "checkpoints" / "latest", "step_2")
+
+    class Peft:
+        class Config:
+            def save_pretrained(self, directory):
+                Path(directory, "adapter_config.json").write_text("{}")
+        peft_config = {"default": Config()}
+
+    def no_space(obj, path, *args, **kwargs):
+        Path(path).write_bytes(b"partial")  # half written, then the disk is full
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", no_space)
+    with pytest.raises(checkpoint.WriteError, match=r"checkpoint step_4 not written \(No space left on device\); "
+                                                     "the previous one stays the newest"):
+        checkpoint.write_checkpoint(tmp_path, 4, Peft(), {"w": torch.ones(1)}, {"optimizer": {}}, {"step": 4},
+                                    {"path": "base", "fingerprint": None})
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", "step_2"]  # no temp dir left
+    assert checkpoint.find(tmp_path, "latest") == previous
+
+
 def test_resume_with_meaningful_changes_is_refused_harmless_ones_are_taken():
     saved = train.Config(lr=1e-3, group_size=8, difficulty="small", steps=100, eval_interval=10).__dict__
     same = train.Config(lr=1e-3, group_size=8, difficulty="small", steps=400, eval_interval=20, progress=False)

@@ -75,11 +75,13 @@ def test_detours_leave_the_path_for_several_moves(tiny_model):
     assert longest >= 2  # detours of several wrong moves in a row, not single random moves
 
 
-def test_sft_then_grpo_smoke(tmp_path, tiny_model):
-    """A few SFT steps write an ordinary HF model that train.py starts GRPO from."""
+def test_sft_then_grpo_smoke_in_the_visgym_style(tmp_path, tiny_model):
+    """A few SFT steps write an ordinary HF model that train.py starts GRPO from; the whole
+    pipeline in the VisGym-compatible style (its mazes, 25 px drawing, texts and parser)."""
     sft_out = tmp_path / "sft"
     proc = subprocess.run([sys.executable, "sft.py", "--out", str(sft_out), "--steps", "3", "--batch-size", "8",
-                           "--log-every", "1"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+                           "--log-every", "1", "--env-style", "visgym", "--difficulty", "easy"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (sft_out / "model" / "config.json").exists() and (sft_out / "model" / "chat_template.jinja").exists()
     lines = [json.loads(line) for line in (sft_out / "sft_metrics.jsonl").read_text().splitlines()]
@@ -90,9 +92,14 @@ def test_sft_then_grpo_smoke(tmp_path, tiny_model):
     proc = subprocess.run([sys.executable, "train.py", "--model", str(sft_out / "model"), "--out-dir", str(run),
                            "--steps", "1", "--prompts-per-step", "2", "--group-size", "2", "--max-turns", "3",
                            "--max-new-tokens", "6", "--eval-mazes", "4", "--lora-rank", "8", "--max-images", "1",
-                           "--progress", "false"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+                           "--env-style", "visgym", "--difficulty", "easy", "--progress", "false"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert (run / "eval" / "step_1.json").exists() and (run / "adapters" / "step_1").exists()
+    result = json.loads((run / "eval" / "step_1.json").read_text())
+    assert result["env_style"] == "visgym" and (run / "adapters" / "step_1").exists()
+    # the mazes played are VisGym's own for seeds 0..3
+    assert [m["seed"] for m in result["mazes"]] == [0, 1, 2, 3]
+    assert json.loads((run / "config.json").read_text())["env_style"] == "visgym"
 
 
 def test_action_hits_count_one_action_token_per_trained_reply(tiny_model):

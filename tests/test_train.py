@@ -110,17 +110,25 @@ def test_resume_is_exact_with_real_updates(tmp_path, warm_start):
     assert summary["steps"] == 4 and summary["steps_s"] == pytest.approx(sum(m["step_s"] for m in b), abs=0.1)
 
 
-def test_resume_refuses_changed_settings_unless_asked(tmp_path, warm_start):
+def test_a_damaged_checkpoint_and_changed_settings_on_resume(tmp_path, warm_start):
+    """The newest checkpoint damaged after it was written: the restart says so in one line and
+    resumes from the one before. A restart with another learning rate is refused, unless asked."""
     out = tmp_path / "run"
-    run_train(out, warm_start, "--steps", "1", "--ckpt-interval", "1", "--eval-interval", "100")
-    proc = subprocess.run(train_cmd(out, warm_start, "--steps", "2", "--lr", "5e-4"), cwd=ROOT,
+    run_train(out, warm_start, "--steps", "2", "--ckpt-interval", "1", "--eval-interval", "100")
+    state = out / "checkpoints" / "step_2" / "trainer_state.pt"
+    state.write_bytes(state.read_bytes()[:1000])  # truncated by a bad copy or a failing disk
+    proc = subprocess.run(train_cmd(out, warm_start, "--steps", "3", "--lr", "5e-4"), cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
-    assert proc.returncode != 0 and "was written with other settings (lr: 0.001 -> 0.0005)" in proc.stderr
-    assert "Traceback" not in proc.stderr
-    log = run_train(out, warm_start, "--steps", "2", "--lr", "5e-4", "--resume-allow-changes", "true",
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert f"checkpoint {out}/checkpoints/step_2 skipped: trainer_state.pt has 1000 bytes" in proc.stdout + proc.stderr
+    assert "step_1 was written with other settings (lr: 0.001 -> 0.0005)" in proc.stderr
+    log = run_train(out, warm_start, "--steps", "3", "--lr", "5e-4", "--resume-allow-changes", "true",
                     "--eval-interval", "100")
+    assert f"resumed from {out}/checkpoints/step_1 at step 1" in log
     assert "resuming with changed settings: lr: 0.001 -> 0.0005" in log
-    assert read_metrics(out)[-1]["lr"] == pytest.approx(5e-4)  # the new rate took effect
+    metrics = read_metrics(out)
+    assert [m["step"] for m in metrics] == [1, 2, 3]  # step 2 redone, one line each
+    assert metrics[-1]["lr"] == pytest.approx(5e-4)  # the new rate took effect
 
 
 # ----------------------------------------------------------------------------- learning
