@@ -331,7 +331,7 @@ MEANINGFUL = ("model", "difficulty", "env_style", "cell_px", "max_turns", "train
               "max_images", "train_pool", "eval_mazes", "prompts_per_step", "group_size", "temperature",
               "scale_adv_by_std", "clip_eps_low", "clip_eps_high", "loss_aggregation", "kl_coef",
               "step_adv_weight", "gamma", "tis_cap", "lr", "weight_decay", "warmup_steps", "lr_schedule",
-              "max_grad_norm", "num_mini_batches", "lora_rank", "lora_alpha", "lora_dropout", "lora_plus_ratio",
+              "max_grad_norm", "num_mini_batches", "ppo_epochs", "lora_rank", "lora_alpha", "lora_dropout", "lora_plus_ratio",
               "lora_targets", "seed")
 
 
@@ -339,3 +339,25 @@ def config_changes(saved: dict, current: dict) -> list[str]:
     """'name: saved -> current' for each meaningful field that differs."""
     return [f"{k}: {saved[k]!r} -> {current[k]!r}" for k in MEANINGFUL
             if k in saved and k in current and saved[k] != current[k]]
+
+
+# ----------------------------------------------------------------------------- the run's own records
+
+def metrics_step(line: str) -> int | None:
+    """The step of a metrics.jsonl line; None for a blank line or one torn by a crash mid-write."""
+    try:
+        return json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def write_summary(steps: int, out: Path, wall_s: float, hours: float, on_gpu: bool, log=print):
+    """summary.json: held-out solved at every evaluation; steps_s covers every process that
+    worked on this run (a resumed run's earlier ones too), wall_s this process's own time."""
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    evals = sorted((json.loads(p.read_text()) for p in (out / "eval").glob("step_*.json")), key=lambda r: r["step"])
+    summary = {"steps": steps, "steps_s": round(sum(json.loads(line)["step_s"] for line in lines), 1),
+               "wall_s": round(wall_s, 1), ("gpu_hours" if on_gpu else "process_hours"): round(hours, 4),
+               "eval": {r["step"]: f"{r['solved']}/{r['total']}" for r in evals}}
+    atomic_write_text(out / "summary.json", json.dumps(summary, indent=2))
+    log("run summary: " + json.dumps(summary))

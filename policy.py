@@ -153,6 +153,19 @@ def lora_parameters(model) -> list:
     return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
 
 
+def make_optimizer(model, lr: float, weight_decay: float = 0.0, lora_plus_ratio: float = 0.0):
+    """AdamW over the LoRA weights. With lora_plus_ratio, LoRA+ (Hayou et al. 2024,
+    arXiv:2402.12354; PEFT's create_loraplus_optimizer): B at lr * ratio, A at lr. B starts at
+    zero and A at random, so a step that is large for B is violent for A; one rate for both
+    makes the adapter learn far slower than full fine-tuning at the same rate."""
+    if lora_plus_ratio:
+        from peft.optimizers import create_loraplus_optimizer
+
+        return create_loraplus_optimizer(model, torch.optim.AdamW, lr=lr, loraplus_lr_ratio=lora_plus_ratio,
+                                         weight_decay=weight_decay)
+    return torch.optim.AdamW([p for _, p in lora_parameters(model)], lr=lr, weight_decay=weight_decay)
+
+
 def vision_tower(model):
     """The Qwen3-VL model inside the PEFT wrapper (or a plain HF model), whose .visual encodes images."""
     inner = model.base_model.model if hasattr(model, "peft_config") else model
@@ -348,7 +361,9 @@ def gather_lora_state(model) -> dict:
     full = {}
     for name, param in lora_parameters(model):
         tensor = param.full_tensor() if hasattr(param, "full_tensor") else param
-        full[name] = tensor.detach().to("cpu", torch.float32).contiguous()
+        # a copy, not a view: with one rank on a CPU, full_tensor and .to() can hand back the
+        # parameter's own storage, which the next optimizer step would change under the caller
+        full[name] = tensor.detach().to("cpu", torch.float32, copy=True).contiguous()
     return get_peft_model_state_dict(model, state_dict=full)
 
 

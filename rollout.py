@@ -230,6 +230,7 @@ class Episode:
     reward: float = 0.0
     solved: bool = False
     invalid_actions: int = 0
+    wall_bumps: int = 0  # moves into a wall (the agent stays put, the turn is spent)
     truncated_replies: int = 0  # replies cut by the per-turn token limit
     end_reason: str = ""  # stop | turn_limit | context_limit
     done: bool = False
@@ -350,6 +351,7 @@ def play_episodes(engine, chat: ChatFormat, mazes: list, group_ids: list, *, sam
             episode.states.append(game.agent)
             obs = game.step(text)
             episode.invalid_actions += not obs.valid
+            episode.wall_bumps += obs.feedback == env.WALL_FEEDBACK
             if game.done:
                 episode.done, episode.reward, episode.solved = True, obs.reward, game.solved
                 episode.end_reason = game.end_reason
@@ -443,6 +445,7 @@ def play_chat_episodes(mazes: list, reply_fn, *, max_turns: int, cell_px: int | 
             episode.replies.append(reply)
             obs = game.step(reply)
             episode.invalid_actions += not obs.valid
+            episode.wall_bumps += obs.feedback == env.WALL_FEEDBACK
             conversations[i].append({"role": "assistant", "content": reply})
             if game.done:
                 episode.done, episode.reward, episode.solved = True, obs.reward, game.solved
@@ -460,7 +463,7 @@ def eval_rows(episodes: list, maze_indices: list, max_turns: int) -> list[dict]:
     max_turns cannot be solved at all (on 9x9 mazes at 15 turns, about 28% of them)."""
     return [{"maze_index": i, "seed": e.maze.seed, "solved": e.solved, "turns": e.num_turns,
              "fits_turn_limit": len(env.solve(e.maze)) <= max_turns, "end_reason": e.end_reason,
-             "invalid_actions": e.invalid_actions, "replies": e.replies} for i, e in zip(maze_indices, episodes)]
+             "invalid_actions": e.invalid_actions, "wall_bumps": e.wall_bumps, "replies": e.replies} for i, e in zip(maze_indices, episodes)]
 
 
 def eval_result(rows: list[dict], max_turns: int, **fields) -> dict:
@@ -483,6 +486,8 @@ def rollout_metrics(episodes: list) -> dict:
         "generated_tokens": sum(e.num_generated_tokens for e in episodes),
         "sequences_per_episode": sum(len(e.sequences) for e in episodes) / n,
         "invalid_action_rate": sum(e.invalid_actions for e in episodes) / max(turns, 1),
+        "wall_bump_rate": sum(e.wall_bumps for e in episodes) / max(turns, 1),
+        "stopped_off_goal": sum(e.end_reason == "stop" and not e.solved for e in episodes) / n,
         "truncated_reply_rate": sum(e.truncated_replies for e in episodes) / max(turns, 1),
         "sequence_tokens_mean": sum(len(s.token_ids) for e in episodes for s in e.sequences)
         / max(sum(len(e.sequences) for e in episodes), 1),

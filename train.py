@@ -84,7 +84,8 @@ class Config:
     warmup_steps: int = 0  # optimizer steps
     lr_schedule: str = "constant"  # or cosine (transformers.get_scheduler)
     max_grad_norm: float = 1.0
-    num_mini_batches: int = 1  # optimizer steps per rollout batch
+    num_mini_batches: int = 1  # optimizer steps per pass over the rollout batch
+    ppo_epochs: int = 1  # passes over each rollout batch (PPO's sample reuse; the clip bounds the drift)
     micro_batch_size: int = 4  # sequences per forward/backward
     # LoRA and sharding
     lora_rank: int = 0  # 0: 32 (the published recipe) for real models, 8 for the tiny one
@@ -134,7 +135,7 @@ class Config:
             problems.append("lr_schedule must be constant or cosine")
         if self.tis_cap < 0 or self.train_pool < 0 or self.sampled_eval_samples < 0:
             problems.append("tis_cap, train_pool and sampled_eval_samples must be >= 0")
-        for name in ("steps", "max_turns", "max_new_tokens", "micro_batch_size", "eval_interval",
+        for name in ("steps", "ppo_epochs", "max_turns", "max_new_tokens", "micro_batch_size", "eval_interval",
                      "ckpt_interval", "export_interval", "keep_checkpoints", "keep_syncs"):
             if getattr(self, name) < 1:
                 problems.append(f"{name} must be >= 1")
@@ -193,7 +194,7 @@ def make_experiences(cfg: Config, episodes: list, advantages: torch.Tensor) -> t
 def single_pass(cfg) -> bool:
     """One optimizer step per rollout batch and no KL term: the policy being updated IS the one
     that sampled, so pi_old = pi_theta.detach() and the separate old-logprob pass is skipped."""
-    return cfg.num_mini_batches == 1 and cfg.kl_coef == 0
+    return cfg.num_mini_batches == 1 and cfg.ppo_epochs == 1 and cfg.kl_coef == 0
 
 
 def grpo_update(cfg, model, optimizer, scheduler, batch: policy.Batch, experiences: list, num_episodes: int,
@@ -211,7 +212,7 @@ def grpo_update(cfg, model, optimizer, scheduler, batch: policy.Batch, experienc
     stats = {k: [] for k in ("clip_frac", "ratio_mean", "kl", "pg_loss", "tis_weight_mean", "tis_capped_frac",
                              "grad_norm")}
     mismatch, trained = policy.MismatchMeter(), 0
-    for mb in range(cfg.num_mini_batches):
+    for mb in [m for _ in range(cfg.ppo_epochs) for m in range(cfg.num_mini_batches)]:
         in_mini = [i for i, x in enumerate(experiences) if mb * per_mini <= x.episode < (mb + 1) * per_mini]
         # Normaliser: token-mean divides by the mini-batch's response tokens over ALL ranks
         # (seq-mean by its sequences), then by world size since FSDP averages gradients.
@@ -285,25 +286,13 @@ def evaluate(cfg, engine, chat, lora_request, step: int, out: Path) -> dict:
 
 # ----------------------------------------------------------------------------- the loop
 
-def make_optimizer(model, cfg: Config):
-    """AdamW over the LoRA weights. With lora_plus_ratio, LoRA+ (Hayou et al. 2024,
-    arXiv:2402.12354; PEFT's create_loraplus_optimizer): B at lr * ratio, A at lr. B starts at
-    zero and A at random, so a step that is large for B is violent for A; one rate for both
-    makes the adapter learn far slower than full fine-tuning at the same rate."""
-    if cfg.lora_plus_ratio:
-        from peft.optimizers import create_loraplus_optimizer
-
-        return create_loraplus_optimizer(model, torch.optim.AdamW, lr=cfg.lr, loraplus_lr_ratio=cfg.lora_plus_ratio,
-                                         weight_decay=cfg.weight_decay)
-    return torch.optim.AdamW([p for _, p in policy.lora_parameters(model)], lr=cfg.lr, weight_decay=cfg.weight_decay)
-
-
 def make_scheduler(optimizer, cfg: Config):
     """transformers' schedules: a linear warm-up from 0, then constant or a cosine decay to 0."""
     from transformers import get_scheduler
 
     return get_scheduler("cosine" if cfg.lr_schedule == "cosine" else "constant_with_warmup", optimizer,
-                         num_warmup_steps=cfg.warmup_steps, num_training_steps=cfg.steps * cfg.num_mini_batches)
+                         num_warmup_steps=cfg.warmup_steps,
+                         num_training_steps=cfg.steps * cfg.num_mini_batches * cfg.ppo_epochs)
 
 
 def main(cfg: Config):
@@ -327,7 +316,7 @@ def main(cfg: Config):
     chat = rollout.ChatFormat.for_model(model_path)
     # The policy first (identical seed on every rank), then this rank's engine (its own seed).
     model = policy.build_policy(cfg, model_path)
-    optimizer = make_optimizer(model, cfg)
+    optimizer = policy.make_optimizer(model, cfg.lr, cfg.weight_decay, cfg.lora_plus_ratio)
     scheduler = make_scheduler(optimizer, cfg)
     stream = env.TrainMazeStream(cfg.difficulty, eval_n=cfg.eval_mazes, pool=cfg.train_pool, style=cfg.env_style)
 
@@ -343,7 +332,7 @@ def main(cfg: Config):
         # last line that a crash cut short
         metrics_file = out / "metrics.jsonl"
         lines = metrics_file.read_text().splitlines() if metrics_file.exists() else []
-        kept = [line for line in lines if (n := metrics_step(line)) is not None and n <= start_step]
+        kept = [line for line in lines if (n := checkpoint.metrics_step(line)) is not None and n <= start_step]
         checkpoint.atomic_write_text(metrics_file, "".join(line + "\n" for line in kept))
         checkpoint.atomic_write_text(out / "config.json", json.dumps(dataclasses.asdict(cfg), indent=2))
         from torch.utils.tensorboard import SummaryWriter
@@ -459,7 +448,7 @@ def main(cfg: Config):
     bar.close()
     if rank == 0:
         writer.close()
-        write_summary(cfg, out, time.time() - run_start, hours, on_gpu)
+        checkpoint.write_summary(cfg.steps, out, time.time() - run_start, hours, on_gpu, log=log0)
     # Shut down in order: all ranks done, then the engine (whose teardown may already take the
     # process group down with it), then the group if it is still there.
     dist.barrier()
@@ -467,26 +456,6 @@ def main(cfg: Config):
     gc.collect()
     if dist.is_initialized():
         dist.destroy_process_group()
-
-
-def metrics_step(line: str) -> int | None:
-    """The step of a metrics.jsonl line; None for a blank line or one torn by a crash mid-write."""
-    try:
-        return json.loads(line)["step"]
-    except (ValueError, KeyError, TypeError):
-        return None
-
-
-def write_summary(cfg, out: Path, wall_s: float, hours: float, on_gpu: bool):
-    """summary.json: held-out solved at every evaluation; steps_s covers every process that
-    worked on this run (a resumed run's earlier ones too), wall_s this process's own time."""
-    lines = (out / "metrics.jsonl").read_text().splitlines()
-    evals = sorted((json.loads(p.read_text()) for p in (out / "eval").glob("step_*.json")), key=lambda r: r["step"])
-    summary = {"steps": cfg.steps, "steps_s": round(sum(json.loads(line)["step_s"] for line in lines), 1),
-               "wall_s": round(wall_s, 1), ("gpu_hours" if on_gpu else "process_hours"): round(hours, 4),
-               "eval": {r["step"]: f"{r['solved']}/{r['total']}" for r in evals}}
-    checkpoint.atomic_write_text(out / "summary.json", json.dumps(summary, indent=2))
-    log0("run summary: " + json.dumps(summary))
 
 
 if __name__ == "__main__":

@@ -170,9 +170,14 @@ def trainer_step(tiny: str):
     stream = env.TrainMazeStream("small")
     sequences = [sft.demonstration(stream.next(), chat, reply_ids, random.Random(i), max_turns=5, max_images=None,
                                    cell_px=env.CELL_PX_TINY, noise=0.5)[0] for i in range(4)]
+    model.eval()
+    with torch.no_grad():  # the "engine's" log-probs: the trainer's own (demonstrations carry none)
+        for s in sequences:
+            lp = policy.sequence_logprobs(model, policy.Batch([s], chat.processor, model).micro([0], "cpu")[0])[0]
+            s.rollout_logprobs = [0.0] + [float(x) if m else 0.0 for x, m in zip(lp, s.response_mask[1:])]
     experiences = [policy.Experience(s, a * torch.tensor(s.response_mask[1:], dtype=torch.float32), i)
                    for i, (s, a) in enumerate(zip(sequences, [1.0, -1.0, 0.5, 0.0]))]
-    optimizer = torch.optim.AdamW([p for _, p in policy.lora_parameters(model)], lr=1e-2)
+    optimizer = policy.make_optimizer(model, 1e-2)
     scheduler = train.make_scheduler(optimizer, cfg)
     batch = policy.Batch(sequences, chat.processor, model)
     stats = train.grpo_update(cfg, model, optimizer, scheduler, batch, experiences, 4, torch.device("cpu"))

@@ -115,7 +115,6 @@ def shape_checks(shape: str, device, text: dict, vision: dict, cell_px: int, dif
 
     import checkpoint
     import env
-    import grpo
     import policy
     import train
 
@@ -153,6 +152,17 @@ def shape_checks(shape: str, device, text: dict, vision: dict, cell_px: int, dif
     def update():
         model = state["model"]
         sequences = maze_sequences(n_sequences, text["vocab_size"], cell_px, difficulty, turns, processor)
+        # the engine's log-probs, as if it had sampled these replies: the trainer's own plus a
+        # bf16-sized disagreement (about 1e-2), so TIS has weights near 1 but not 1 to apply
+        model.eval()
+        noise = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for i, s in enumerate(sequences):
+                inputs, _, _ = policy.Batch([s], processor, model).micro([0], device)
+                lp = policy.sequence_logprobs(model, inputs)[0].float().cpu()
+                jitter = 0.01 * torch.randn(lp.shape, generator=noise)
+                s.rollout_logprobs = [0.0] + [(lp[j] + jitter[j]).item() if s.response_mask[j + 1] else 0.0
+                                              for j in range(len(lp))]
         advantages = [1.0 if i % 2 == 0 else -1.0 for i in range(n_sequences)]
         experiences = [policy.Experience(s, a * torch.tensor(s.response_mask[1:], dtype=torch.float32), i)
                        for i, (s, a) in enumerate(zip(sequences, advantages))]
@@ -172,7 +182,7 @@ def shape_checks(shape: str, device, text: dict, vision: dict, cell_px: int, dif
         after = policy.gather_lora_state(model)
         moved = max((after[k] - before[k]).abs().max().item() for k in after)
         assert stats["grad_norm"] > 0 and moved > 0, stats
-        assert stats["tis_weight_mean"] != 1.0, "TIS weighted nothing"
+        assert stats["tis_weight_mean"] != 1.0 and abs(stats["tis_weight_mean"] - 1) < 0.05, stats
         figures.update(grad_norm=stats["grad_norm"], tis_weight_mean=stats["tis_weight_mean"],
                        tokens=sum(len(s.token_ids) for s in sequences))
         state.update(optimizer=optimizer, scheduler=scheduler, lora=after)

@@ -121,10 +121,43 @@ def seeds_table(rows: list[dict], target: float) -> str:
     return "\n".join(lines)
 
 
+RESULTS = ROOT / "docs" / "results" / "rl_lift.json"
+
+
+def lift_record(run: Path, kind: str, command: str) -> dict:
+    """What docs/results/rl_lift.json keeps of a run: greedy held-out solved before GRPO, at its
+    best and at the end, the sampled solve rate before and after, and what it took."""
+    evals = load_evals(run)
+    config = json.loads((run / "config.json").read_text())
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    best = max(evals, key=lambda r: (r["solved"], -r["step"]))
+    return {"kind": kind, "run": str(run), "seed": config["seed"], "difficulty": evals[0]["difficulty"],
+            "total": evals[0]["total"], "warm_start_solved": evals[0]["solved"], "best_solved": best["solved"],
+            "best_step": best["step"], "final_solved": evals[-1]["solved"], "final_step": evals[-1]["step"],
+            "sampled_before": evals[0].get("sampled_solve_rate"), "sampled_after": evals[-1].get("sampled_solve_rate"),
+            "grpo_steps": len(metrics), "grpo_minutes": round(sum(m["step_s"] for m in metrics) / 60, 1),
+            "command": command}
+
+
+def record(records: list[dict], path: Path = RESULTS):
+    """Add (or replace, by run dir) records in the results file, atomically."""
+    old = json.loads(path.read_text()) if path.exists() else []
+    runs = {r["run"] for r in records}
+    merged = [r for r in old if r["run"] not in runs] + records
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(merged, indent=1))
+    tmp.replace(path)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("runs", type=Path, nargs="+")
     parser.add_argument("--target", type=float, default=0.9, help="solve rate for the time-to-target columns")
+    parser.add_argument("--record", default="", choices=["", "main", "long"],
+                        help="also add each run to docs/results/rl_lift.json as this kind")
+    parser.add_argument("--command", default="", help="the command that made the runs (for --record)")
+    parser.add_argument("--results", type=Path, default=RESULTS, help="the results file --record writes")
     args = parser.parse_args()
     loaded = {}  # run -> (its evaluations, its config), each file read once
     for run in args.runs:
@@ -138,15 +171,21 @@ def main():
     evals, config = loaded[args.runs[0]]
     if len(args.runs) == 1:
         best = max(evals, key=lambda r: r["solve_rate"])
-        print(f"\n| | step | solved |\n|---|---|---|")
+        print("\n| | step | solved |\n|---|---|---|")
         print(f"| before GRPO | {evals[0]['step']} | {evals[0]['solved']}/{evals[0]['total']} |")
         print(f"| best | {best['step']} | {best['solved']}/{best['total']} |")
         print(f"| final | {evals[-1]['step']} | {evals[-1]['solved']}/{evals[-1]['total']} |")
+        if "sampled_solve_rate" in evals[0] and "sampled_solve_rate" in evals[-1]:
+            print(f"\nsampled solve rate (temperature {config['temperature']}, held-out mazes): "
+                  f"{evals[0]['sampled_solve_rate']:.3f} before GRPO, {evals[-1]['sampled_solve_rate']:.3f} after")
     first, max_turns = evals[0], config["max_turns"]
     print(f"\n{solvable(first['difficulty'], first['total'], max_turns)} of the {first['total']} {first['difficulty']} "
           f"evaluation mazes can be solved within {max_turns} turns (shortest path plus stop)")
     print()
     print(seeds_table([run_row(run, args.target) for run in args.runs], args.target))
+    if args.record:
+        record([lift_record(run, args.record, args.command) for run in args.runs], args.results)
+        print(f"\nrecorded in {args.results}")
     # written by launch/seeds.sh next to each run: the policies played on another maze size
     other = [(run, json.loads(p.read_text())) for run in args.runs
              for p in sorted((run.parent / "generalisation").glob("*.json"))]

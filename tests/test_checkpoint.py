@@ -85,9 +85,9 @@ def test_pruning_keeps_the_newest_and_clears_what_a_crash_left(tmp_path):
 
 
 def test_torn_metrics_lines_are_recognised():
-    assert train.metrics_step('{"step": 3, "reward_mean": 0.5}') == 3
-    assert train.metrics_step('{"step": 4, "rew') is None and train.metrics_step("") is None
-    assert train.metrics_step("[1, 2]") is None
+    assert checkpoint.metrics_step('{"step": 3, "reward_mean": 0.5}') == 3
+    assert checkpoint.metrics_step('{"step": 4, "rew') is None and checkpoint.metrics_step("") is None
+    assert checkpoint.metrics_step("[1, 2]") is None
 
 
 def test_a_full_disk_leaves_the_previous_adapter_and_says_so(tmp_path, monkeypatch):

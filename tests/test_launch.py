@@ -347,7 +347,10 @@ def test_report_tables_come_from_the_logged_files(tmp_path):
     (tmp_path / "a" / "generalisation").mkdir()
     (tmp_path / "a" / "generalisation" / "easy-grpo.json").write_text(json.dumps(
         {"adapter": "x", "difficulty": "easy", "solved": 7, "total": 64}))
-    proc = subprocess.run([sys.executable, "launch/report.py", str(a), str(b)], cwd=ROOT, capture_output=True, text=True,
+    results = tmp_path / "rl_lift.json"
+    results.write_text(json.dumps([{"run": str(a), "kind": "main", "stale": True}, {"run": "other", "kind": "long"}]))
+    proc = subprocess.run([sys.executable, "launch/report.py", str(a), str(b), "--record", "main", "--command",
+                           "bash launch/run.sh", "--results", str(results)], cwd=ROOT, capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
@@ -363,3 +366,28 @@ def test_report_tables_come_from_the_logged_files(tmp_path):
     from launch.report import solvable
     assert solvable("easy", 64, 15) < 64 == solvable("easy", 64, 21)
     assert (a / "solve_rate.png").exists() and (a / "final_episode.gif").exists()
+    # the records: one per run, from the logged evaluations; an older record of the same run replaced
+    records = {r["run"]: r for r in json.loads(results.read_text())}
+    assert sorted(records) == sorted([str(a), str(b), "other"]) and "stale" not in records[str(a)]
+    assert {k: records[str(a)][k] for k in ("warm_start_solved", "best_solved", "final_solved", "grpo_steps",
+                                             "seed", "kind", "command")} == \
+        {"warm_start_solved": 32, "best_solved": 60, "final_solved": 60, "grpo_steps": 20, "seed": 0, "kind": "main",
+         "command": "bash launch/run.sh"}
+    assert records[str(a)]["grpo_minutes"] == 1.0  # 20 steps of 3 s
+
+
+# ----------------------------------------------------------------------------- the device check
+
+def test_gpu_check_runs_the_trainer_path_in_its_dry_run(tmp_path):
+    """launch/gpu_check.sh, the script for a one-GPU machine, in its CPU mode: the small shape
+    through the trainer's code (policy, precomputed features, update with TIS, adapter and
+    checkpoint round trip), every check passing, one JSON report."""
+    out = tmp_path / "results"
+    proc = subprocess.run(["bash", "launch/gpu_check.sh", "--dry-run"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "OUT": str(out)})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((out / "gpu_check.json").read_text())
+    assert report["dry_run"] and not report["gpu"] and report["passed"] == report["total"] == 5
+    assert [c["check"].split(":")[0] for c in report["checks"]][1:] == ["small"] * 4
+    update = next(c for c in report["checks"] if "grpo_update" in c["check"])
+    assert "LoRA moved" in update["detail"] and report["shapes"]["small"]["grad_norm"] > 0
