@@ -60,7 +60,9 @@ class Config:
     env_style: str = "ours"  # or visgym: VisGym's maze for a seed, drawing, texts and parser (env.py)
     cell_px: int = 0  # 0: the style's own (32 px ours: one cell per merged visual token; 25 visgym)
     max_turns: int = 15
-    train_max_turns: int = 0  # the training rollouts' turn limit (0: max_turns)
+    # the training rollouts' turn limit (0: max_turns). More turns than evaluation gives room to
+    # recover from a wrong branch; the discount (gamma) still prices every wasted turn
+    train_max_turns: int = 0
     max_new_tokens: int = 32  # per turn
     max_model_len: int = 4096
     max_images: int = 0  # keep only the last k images in the conversation; 0: full history
@@ -139,8 +141,8 @@ class Config:
                      "ckpt_interval", "export_interval", "keep_checkpoints", "keep_syncs"):
             if getattr(self, name) < 1:
                 problems.append(f"{name} must be >= 1")
-        if not 0 <= self.train_max_turns <= self.max_turns:
-            problems.append("train_max_turns must be between 0 (= max_turns) and max_turns")
+        if self.train_max_turns < 0:
+            problems.append("train_max_turns must be >= 0 (0: max_turns)")
         if problems:
             raise SystemExit("bad config:\n  " + "\n  ".join(problems))
 
@@ -341,7 +343,7 @@ def main(cfg: Config):
     t = time.time()
     engine = rollout.build_engine(model_path, max_model_len=cfg.max_model_len, max_lora_rank=cfg.lora_rank,
                                   seed=cfg.seed + rank, gpu_memory_utilization=cfg.gpu_memory_utilization,
-                                  max_images=cfg.max_turns + 1, external_launcher=True,
+                                  max_images=max(cfg.max_turns, cfg.train_max_turns) + 1, external_launcher=True,
                                   max_image_px=env.DIFFICULTY_SIZES[cfg.difficulty]
                                   * env.cell_px_of(cfg.env_style, cfg.cell_px),
                                   # vLLM reports the raw model's log-probs by default; at another

@@ -201,7 +201,7 @@ def test_bad_config_is_a_clear_error():
     with pytest.raises(SystemExit, match="difficulty"):
         train.Config(difficulty="impossible").validate(world_size=1)
     with pytest.raises(SystemExit, match="train_max_turns"):
-        train.Config(max_turns=15, train_max_turns=16).validate(world_size=1)
+        train.Config(train_max_turns=-1).validate(world_size=1)
     with pytest.raises(SystemExit, match="train_pool"):
         train.Config(train_pool=-1).validate(world_size=1)
     cfg = train.parse_config(["--steps", "7", "--scale-adv-by-std", "false", "--lr", "0.5", "--progress", "No"])
