@@ -48,12 +48,12 @@ def load_policy(model: str, adapter: str, max_turns: int):
     return engine, lora_request, rollout.ChatFormat.for_model(model)
 
 
-def mazes_played(difficulty: str, n: int, which: str = "evaluation") -> list:
+def mazes_played(difficulty: str, n: int, which: str = "evaluation", style: str = "ours") -> list:
     """The mazes a result's `mazes_played` names: the first n evaluation or training mazes."""
     if which == "training":
-        stream = env.TrainMazeStream(difficulty)
+        stream = env.TrainMazeStream(difficulty, style=style)
         return [stream.next() for _ in range(n)]
-    return env.eval_mazes(difficulty, n)
+    return env.eval_mazes(difficulty, n, style)
 
 
 def policy_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -63,6 +63,8 @@ def policy_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
     parser.add_argument("--difficulty", default="small", choices=list(env.DIFFICULTY_SIZES))
     parser.add_argument("--n", type=int, default=64, help="evaluation mazes (seeds 0..n-1)")
     parser.add_argument("--max-turns", type=int, default=15)
+    parser.add_argument("--env-style", default="ours", choices=list(env.MAZE_STYLES),
+                        help="visgym: VisGym's own mazes for these seeds, its drawing, texts and parser")
     return parser
 
 
@@ -79,14 +81,14 @@ def main():
     engine, lora_request, chat = load_policy(args.model, args.adapter, args.max_turns)
     replies = rollout.engine_replies(engine, lora_request, args.max_new_tokens, chat.banned_token_ids)
     which = "training" if args.training_mazes else "evaluation"
-    mazes = mazes_played(args.difficulty, args.n, which)
+    mazes = mazes_played(args.difficulty, args.n, which, args.env_style)
     episodes = rollout.play_chat_episodes(
-        mazes, replies, max_turns=args.max_turns, max_images=args.max_images or None,
+        mazes, replies, max_turns=args.max_turns, style=args.env_style, max_images=args.max_images or None,
         desc=f"{which} {args.difficulty}")
     solved = sum(e.solved for e in episodes)
     result = rollout.eval_result(rollout.eval_rows(episodes, list(range(len(episodes))), args.max_turns),
                                  args.max_turns, model=args.model, adapter=args.adapter, difficulty=args.difficulty,
-                                 mazes_played=which)
+                                 mazes_played=which, env_style=args.env_style)
     print(f"{args.difficulty} {which} mazes: solved {solved}/{len(episodes)}")
     if args.out:
         out = Path(args.out)

@@ -4,7 +4,7 @@
     python -m torch.distributed.run --standalone --nproc-per-node 2 tests/update_worker.py <model dir> <out.pt>
 
 Eight episodes in four groups of two (demonstrations of four training mazes, with detours, and
-made-up rewards); with two ranks each rank holds one member of every group. The update runs
+made-up rewards); with two ranks each rank holds one member of every group, rank 1 the longer one. The update runs
 through train.grpo_update exactly as in training; the gradient it hands the optimizer is saved.
 """
 
@@ -51,8 +51,10 @@ def main(model_dir: str, out: str):
     for i in range(8):  # episode i: group i // 2, member i % 2
         maze = mazes[i // 2]
         e = rollout.Episode(maze=maze, group_id=i // 2, sample_id=i)
-        e.sequences = sft.demonstration(maze, chat, reply_ids, random.Random(i), max_turns=7, max_images=None,
-                                        cell_px=env.CELL_PX_TINY, noise=0.5)
+        # lengths that differ between the ranks' halves (rank 0 gets the even episodes), so that
+        # normalising by a rank's own token count instead of the global one changes the gradient
+        e.sequences = sft.demonstration(maze, chat, reply_ids, random.Random(i), max_turns=4 + 2 * (i % 2) + i // 2,
+                                        max_images=None, cell_px=env.CELL_PX_TINY, noise=0.5)
         # a made-up sampling logprob per reply token, so truncated importance sampling has work to do
         lp = torch.Generator().manual_seed(100 + i)
         for s in e.sequences:
