@@ -28,6 +28,7 @@ once per turn in one batch, instead of token by token inside the engine (`detoke
 import base64
 import hashlib
 import io
+import logging
 import os
 from dataclasses import dataclass, field
 
@@ -54,10 +55,9 @@ def build_engine(model: str, **kwargs):
     """An in-process vLLM engine with LoRA and prefix caching (engine_arguments says which)."""
     from vllm import LLM
 
-    engine = LLM(**engine_arguments(model, **kwargs))
-    if not torch.cuda.is_available():
-        quiet_thread_setting()
-    return engine
+    for name in ("vllm.v1.worker.cpu_worker", "vllm.lora.model_manager"):
+        logging.getLogger(name).addFilter(ONCE_PER_CALL_SITE)
+    return LLM(**engine_arguments(model, **kwargs))
 
 
 def engine_arguments(model: str, *, max_model_len: int, max_lora_rank: int, seed: int,
@@ -101,21 +101,27 @@ def engine_arguments(model: str, *, max_model_len: int, max_lora_rank: int, seed
     return {**kwargs, **engine_kwargs}
 
 
-def quiet_thread_setting():
-    """vLLM's CPU worker replaces torch.set_num_threads, for the whole process, with a function
-    that refuses and logs a warning; its own input processing then calls it twice per prompt
-    (tens of thousands of identical lines in a run). Keep the refusal, say it once."""
-    refuse = torch.set_num_threads
-    if getattr(refuse, "__name__", "") != "skip_set_num_threads":
-        return  # not vLLM's CPU refusal (another vLLM version, or already quieted)
-    warned = []
+class OncePerCallSite(logging.Filter):
+    """Lets each warning's line of code speak once. vLLM's CPU worker replaces torch.set_num_threads
+    with a refusal that warns on every call, and its own input processing calls it twice per prompt
+    (tens of thousands of identical lines in a run); its LoRA manager warns once for every vision
+    tower layer it leaves alone (LoRA is on the language model only, by design)."""
 
-    def refuse_quietly(n: int):
-        if not warned:
-            warned.append(n)
-            refuse(n)
+    def __init__(self):
+        super().__init__()
+        self.seen = set()
 
-    torch.set_num_threads = refuse_quietly
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.WARNING:
+            return True
+        site = (record.pathname, record.lineno)
+        if site in self.seen:
+            return False
+        self.seen.add(site)
+        return True
+
+
+ONCE_PER_CALL_SITE = OncePerCallSite()
 
 
 class ChatFormat:

@@ -132,3 +132,22 @@ def _scripted(batch, mazes, plans):
         turn = sum(m["role"] == "assistant" for m in conv)
         replies.append(f"<think>plan</think><answer>{plans[seed][turn]}</answer>")
     return replies
+
+
+def test_a_warning_is_said_once_per_line_of_code():
+    import logging
+
+    log = logging.getLogger("test.once")
+    log.setLevel(logging.INFO)
+    log.propagate = False
+    log.addFilter(rollout.OncePerCallSite())
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    log.addHandler(handler)
+    for _ in range(3):
+        log.warning("the same line, again")  # one call site, three calls
+    log.warning("another line")
+    for _ in range(2):
+        log.info("progress")  # below WARNING: every one
+    assert [r.getMessage() for r in records] == ["the same line, again", "another line", "progress", "progress"]
