@@ -239,6 +239,20 @@ def solve(maze: Maze, start=None) -> list:
         actions.append(ACTION_STRINGS[d])
     return actions[::-1]
 
+
+def goal_distances(maze: Maze) -> dict:
+    """The shortest-path distance (in moves) from every open cell to the goal: a breadth-first
+    search outward from the goal."""
+    dist, frontier = {maze.goal: 0}, deque([maze.goal])
+    while frontier:
+        cell = frontier.popleft()
+        for dr, dc in MOVE_DELTAS.values():
+            nxt = (cell[0] + dr, cell[1] + dc)
+            if maze.is_open(nxt) and nxt not in dist:
+                dist[nxt] = dist[cell] + 1
+                frontier.append(nxt)
+    return dist
+
 # -----------------------------------------------------------------------------
 # reading the model's reply
 

@@ -118,11 +118,27 @@ def gather_group_advantages(local_rewards: Tensor, local_group_ids: Tensor, scal
 
 # ----------------------------------------------------------------------------- step-level advantages
 
-def discounted_returns(reward: float, num_turns: int, gamma: float) -> list[float]:
-    """Return of each turn of an episode whose only reward comes at its end:
-    G_t = gamma^(T-1-t) * R for t = 0..T-1. With gamma < 1 the same success is worth less the
-    more turns it still takes, so a wasted turn (a bump into a wall) lowers every return before it."""
-    return [reward * gamma ** (num_turns - 1 - t) for t in range(num_turns)]
+def discounted_returns(turn_rewards: list[float], gamma: float) -> list[float]:
+    """Return of each turn of an episode: G_t = sum_{k >= t} gamma^(k-t) * r_k.
+
+    With the strict reward alone (r_k = 0 except the last turn's R) this is G_t = gamma^(T-1-t) * R:
+    the same success is worth less the more turns it still takes, so a wasted turn (a bump into a
+    wall) lowers every return before it."""
+    returns, running = [0.0] * len(turn_rewards), 0.0
+    for t in reversed(range(len(turn_rewards))):
+        running = turn_rewards[t] + gamma * running
+        returns[t] = running
+    return returns
+
+
+def progress_rewards(distances: list[int], coef: float) -> list[float]:
+    """A shaping reward per turn for the distance to the goal it covered (Ng et al. 1999's
+    potential-based shaping, potential -coef * distance, undiscounted):
+        r_t = coef * (d_t - d_{t+1})
+    distances: the shortest-path distance to the goal before each turn and after the last (T + 1
+    numbers). A step closer earns +coef, a step away -coef, a bump or a stop 0; over an episode the
+    terms sum to coef * (d_0 - d_T), so walking back and forth earns nothing."""
+    return [coef * (a - b) for a, b in zip(distances, distances[1:])]
 
 
 def step_advantages(returns: Tensor, anchor_ids: Tensor, scale_by_std: bool = True, eps: float = 1e-6) -> Tensor:

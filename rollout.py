@@ -231,6 +231,7 @@ class Episode:
     reply_ids: list = field(default_factory=list)  # generated ids of each reply, exactly
     images: list = field(default_factory=list)  # the state image of each user turn
     states: list = field(default_factory=list)  # the agent's cell when each reply was made
+    end_cell: tuple = None  # the agent's cell after the last reply
     sequences: list = field(default_factory=list)  # what the trainer trains on
     replies: list = field(default_factory=list)  # decoded text of each reply, for logs and eval
     reward: float = 0.0
@@ -356,6 +357,7 @@ def play_episodes(engine, chat: ChatFormat, mazes: list, group_ids: list, *, sam
 
             episode.states.append(game.agent)
             obs = game.step(text)
+            episode.end_cell = game.agent
             episode.invalid_actions += not obs.valid
             episode.wall_bumps += obs.feedback == env.WALL_FEEDBACK
             if game.done:

@@ -78,7 +78,10 @@ class Config:
     loss_aggregation: str = "token-mean"  # or seq-mean
     kl_coef: float = 0.0  # KL to the base model (LoRA disabled); 0 skips the reference pass
     step_adv_weight: float = 0.0  # GiGPO: A_t = A_episode + w * A_step_t; 0 = plain GRPO
-    gamma: float = 0.95  # discount of the per-turn returns G_t = gamma^(T-1-t) * reward
+    gamma: float = 0.95  # discount of the per-turn returns G_t = sum_k gamma^(k-t) * r_k
+    # shaping: +c for each step closer to the goal, -c for each step away (grpo.progress_rewards);
+    # training only, evaluation stays strict. 0: the strict reward alone
+    progress_reward: float = 0.0
     tis_cap: float = 2.0  # truncated importance sampling against the engine's logprobs; 0: off
     # optimisation
     lr: float = 1e-4
@@ -129,8 +132,8 @@ class Config:
             problems.append("episodes per rank must divide into num_mini_batches")
         if not self.temperature > 0:
             problems.append("temperature must be > 0 (rollouts sample; evaluation is greedy anyway)")
-        if self.step_adv_weight < 0 or not 0 < self.gamma <= 1:
-            problems.append("step_adv_weight must be >= 0 and gamma in (0, 1]")
+        if self.step_adv_weight < 0 or not 0 < self.gamma <= 1 or self.progress_reward < 0:
+            problems.append("step_adv_weight and progress_reward must be >= 0 and gamma in (0, 1]")
         if self.loss_aggregation not in ("token-mean", "seq-mean"):
             problems.append("loss_aggregation must be token-mean or seq-mean")
         if self.lr_schedule not in ("constant", "cosine"):
@@ -166,17 +169,29 @@ def parse_config(argv=None) -> Config:
 
 # ----------------------------------------------------------------------------- experiences
 
-def make_experiences(cfg: Config, episodes: list, advantages: torch.Tensor) -> tuple[list, dict]:
+def turn_rewards(cfg: Config, e) -> list[float]:
+    """The reward of each turn of an episode: the strict reward R at its last turn, plus the
+    progress shaping term of every turn when --progress-reward is set."""
+    rewards = [0.0] * e.num_turns
+    if cfg.progress_reward > 0:
+        distance = env.goal_distances(e.maze)
+        rewards = grpo.progress_rewards([distance[c] for c in e.states + [e.end_cell]], cfg.progress_reward)
+    rewards[-1] += e.reward
+    return rewards
+
+
+def make_experiences(cfg: Config, episodes: list, advantages: torch.Tensor, rewards: list) -> tuple[list, dict]:
     """One Experience per training sequence, its per-token advantages filled in.
 
     Every turn t of an episode gets A_t = A_episode + w * A_step_t (grpo.turn_values). The
     step-level anchors are (group, agent cell): the same maze, the agent on the same cell; a
-    group's episodes are all played on one rank, so anchor groups never span ranks."""
+    group's episodes are all played on one rank, so anchor groups never span ranks. rewards[i]
+    holds episode i's turn rewards (turn_rewards)."""
     step_adv = torch.zeros(sum(e.num_turns for e in episodes), dtype=torch.float64)
     if cfg.step_adv_weight > 0:
         returns, anchors = [], []
-        for e in episodes:
-            returns += grpo.discounted_returns(e.reward, e.num_turns, cfg.gamma)
+        for e, episode_rewards in zip(episodes, rewards):
+            returns += grpo.discounted_returns(episode_rewards, cfg.gamma)
             anchors += [(e.group_id * e.maze.size + r) * e.maze.size + c for r, c in e.states]
         step_adv = grpo.step_advantages(torch.tensor(returns, dtype=torch.float64), torch.tensor(anchors),
                                         scale_by_std=cfg.scale_adv_by_std)
@@ -383,10 +398,14 @@ def main(cfg: Config):
 
         # 2. group advantages over all ranks, per-token rows, old (and reference) logprobs
         t0 = time.time()
+        rewards = [turn_rewards(cfg, e) for e in episodes]
         advantages, adv_stats = grpo.gather_group_advantages(
-            torch.tensor([e.reward for e in episodes]), torch.tensor([e.group_id for e in episodes]),
+            torch.tensor([sum(r) for r in rewards]), torch.tensor([e.group_id for e in episodes]),
             scale_by_std=cfg.scale_adv_by_std)
-        experiences, step_stats = make_experiences(cfg, episodes, advantages)
+        experiences, step_stats = make_experiences(cfg, episodes, advantages, rewards)
+        # reward_mean stays the strict reward (the training solve rate); the shaped one is logged apart
+        adv_stats["shaped_reward_mean"] = adv_stats.pop("reward_mean")
+        adv_stats["shaped_reward_std"] = adv_stats.pop("reward_std")
         metrics.update(adv_stats, **step_stats)
         batch = policy.Batch([x.sequence for x in experiences], chat.processor, model)
         if not single_pass(cfg):

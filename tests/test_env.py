@@ -121,6 +121,14 @@ def test_solver_from_another_cell():
         solve(maze, start=(0, 0))  # a wall
 
 
+def test_goal_distances_match_the_solver_from_every_cell():
+    maze = generate_maze(7, 3)
+    distances = env.goal_distances(maze)
+    assert set(distances) == set(open_cells(maze))  # a perfect maze: every open cell reaches the goal
+    for cell, d in distances.items():
+        assert d == len(solve(maze, start=cell)) - 1
+
+
 # -----------------------------------------------------------------------------
 # parsing
 
