@@ -114,9 +114,10 @@ def make_optimizer(model, lr: float, vision_lr: float = 0.0) -> torch.optim.Adam
     """AdamW over the trainable parameters; the vision tower's, if it is trained at all, at
     `vision_lr` (0: `lr`): it arrives pretrained and may need a gentler hand than the randomly
     initialised language model."""
-    vision = {id(p) for p in model.model.visual.parameters()}
+    visual = policy.vision_tower(model).visual
+    vision = {id(p) for p in visual.parameters()}
     groups = [{"params": [p for p in model.parameters() if p.requires_grad and id(p) not in vision]},
-              {"params": [p for p in model.model.visual.parameters() if p.requires_grad], "lr": vision_lr or lr}]
+              {"params": [p for p in visual.parameters() if p.requires_grad], "lr": vision_lr or lr}]
     return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, weight_decay=0.01)
 
 
@@ -179,6 +180,9 @@ def main():
                         help="ours, or visgym: VisGym's mazes for a seed, drawing, texts and parser")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log-every", type=int, default=50)
+    parser.add_argument("--lora-rank", type=int, default=0,
+                        help="0: train the whole language model; N: a rank-N LoRA on it (as train.py's GRPO "
+                             "does), merged into the weights that are written")
     parser.add_argument("--freeze-vision", type=int, default=1,
                         help="1: keep the vision tower as it is (it arrives pretrained); 0: train it too")
     parser.add_argument("--vision-lr", type=float, default=0.0,
@@ -198,6 +202,11 @@ def main():
     model = Qwen3VLForConditionalGeneration.from_pretrained(model_path, dtype=torch.float32)
     model.train()
     model.model.visual.requires_grad_(not args.freeze_vision)
+    if args.lora_rank:  # only the adapter learns: what GRPO's LoRA can take in per step, with SFT's signal
+        from peft import LoraConfig, get_peft_model
+
+        lora = LoraConfig(r=args.lora_rank, lora_alpha=2 * args.lora_rank, target_modules=rollout.LORA_TARGET_REGEX)
+        model = get_peft_model(model, lora)
     optimizer = make_optimizer(model, args.lr, args.vision_lr)
     # linear warm-up, then a cosine decay to zero at the last step
     schedule = get_scheduler("cosine", optimizer, num_warmup_steps=args.warmup, num_training_steps=args.steps)
@@ -251,6 +260,8 @@ def main():
         f.write(json.dumps({"step": args.steps, **check}) + "\n")
 
     # an ordinary HF model directory, written to a temp dir and renamed into place
+    if args.lora_rank:
+        model = model.merge_and_unload()
     final = out / "model"
     tmp = Path(tempfile.mkdtemp(prefix=".model.tmp-", dir=out))
     model.save_pretrained(tmp)

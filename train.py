@@ -104,7 +104,8 @@ class Config:
     # evaluation, checkpoints, exports
     eval_interval: int = 10
     eval_mazes: int = 64
-    sampled_eval_samples: int = 0  # >0: also the sampled solve rate (T=temperature) at the start and end
+    sampled_eval_samples: int = 0  # >0: also the sampled solve rate at the start and end
+    sampled_eval_temperature: float = 1.0  # its sampling temperature (1: the policy itself)
     ckpt_interval: int = 20
     export_interval: int = 20
     keep_checkpoints: int = 3
@@ -130,8 +131,8 @@ class Config:
             problems.append("group_size must be >= 2: a group of one has no baseline")
         if (self.prompts_per_step // world_size * self.group_size) % self.num_mini_batches:
             problems.append("episodes per rank must divide into num_mini_batches")
-        if not self.temperature > 0:
-            problems.append("temperature must be > 0 (rollouts sample; evaluation is greedy anyway)")
+        if not (self.temperature > 0 and self.sampled_eval_temperature > 0):
+            problems.append("temperature and sampled_eval_temperature must be > 0 (greedy evaluation is separate)")
         if self.step_adv_weight < 0 or not 0 < self.gamma <= 1 or self.progress_reward < 0:
             problems.append("step_adv_weight and progress_reward must be >= 0 and gamma in (0, 1]")
         if self.loss_aggregation not in ("token-mean", "seq-mean"):
@@ -291,10 +292,11 @@ def evaluate(cfg, engine, chat, lora_request, step: int, out: Path) -> dict:
         sampled = rollout.play_episodes(
             engine, chat, [mazes[i] for i in mine], mine, samples_per_maze=cfg.sampled_eval_samples,
             max_turns=cfg.max_turns, max_new_tokens=cfg.max_new_tokens, max_model_len=cfg.max_model_len,
-            temperature=cfg.temperature, seed=cfg.seed + 1, lora_request=lora_request, cell_px=cfg.cell_px,
+            temperature=cfg.sampled_eval_temperature, seed=cfg.seed + 1, lora_request=lora_request, cell_px=cfg.cell_px,
             style=cfg.env_style, max_images=cfg.max_images or None, desc=f"sampled eval@{step}", progress=False)
         solved, total = distributed.sum_over_ranks([sum(e.solved for e in sampled), len(sampled)])
         result["sampled_solve_rate"] = solved / total
+        result["sampled_temperature"] = cfg.sampled_eval_temperature
     if dist.get_rank() == 0:
         (out / "eval").mkdir(exist_ok=True)
         checkpoint.atomic_write_text(out / "eval" / f"step_{step}.json", json.dumps(result, indent=1))

@@ -135,6 +135,9 @@ def lift_record(run: Path, kind: str, command: str) -> dict:
             "total": evals[0]["total"], "warm_start_solved": evals[0]["solved"], "best_solved": best["solved"],
             "best_step": best["step"], "final_solved": evals[-1]["solved"], "final_step": evals[-1]["step"],
             "sampled_before": evals[0].get("sampled_solve_rate"), "sampled_after": evals[-1].get("sampled_solve_rate"),
+            # runs before sampled_eval_temperature existed sampled at the training temperature
+            "sampled_temperature": evals[-1].get("sampled_temperature", config.get("temperature", 1.0)),
+            "train_temperature": config.get("temperature", 1.0), "progress_reward": config.get("progress_reward", 0.0),
             "grpo_steps": len(metrics), "grpo_minutes": round(sum(m["step_s"] for m in metrics) / 60, 1),
             "command": command}
 

@@ -146,3 +146,22 @@ def test_the_vision_tower_is_frozen_or_trained_at_its_own_rate(tiny_model):
     assert {id(p) for p in visual["params"]} == vision and not vision & {id(p) for p in language["params"]}
     assert len(language["params"]) + len(visual["params"]) == len(list(model.parameters()))
     assert sft.make_optimizer(model, 2e-3).param_groups[1]["lr"] == 2e-3  # 0: the same rate as the rest
+
+
+def test_sft_with_lora_writes_a_merged_model_that_changed_only_where_lora_was(tmp_path, tiny_model):
+    """--lora-rank trains a LoRA on the language model's projections and merges it on the way out:
+    the result is an ordinary HF model whose projections moved and whose embeddings and vision
+    tower are the base's, bit for bit."""
+    from safetensors.torch import load_file
+
+    out = tmp_path / "sft"
+    proc = subprocess.run([sys.executable, "sft.py", "--model", str(tiny_model), "--out", str(out), "--steps", "3",
+                           "--warmup", "0", "--lr", "1e-2", "--lora-rank", "4"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert not list((out / "model").glob("adapter_*"))  # merged, not an adapter directory
+    base, tuned = load_file(str(tiny_model / "model.safetensors")), load_file(str(out / "model" / "model.safetensors"))
+    assert set(base) == set(tuned)
+    moved = {k for k in base if not (base[k] == tuned[k]).all()}
+    assert moved and all(k.endswith("_proj.weight") and "language_model" in k for k in moved)
+    assert not any("visual" in k or "embed_tokens" in k for k in moved)
