@@ -28,7 +28,7 @@ if [ ! -f "$out/sft/model/config.json" ]; then
 fi
 .venv/bin/python train.py --model "$out/sft/model" --out-dir "$out/grpo" --difficulty "$difficulty" --seed "$seed" \
   --lora-rank 8 --steps 300 --prompts-per-step 4 --group-size 8 --max-new-tokens 8 \
-  --lr 1e-3 --warmup-steps 10 --step-adv-weight 1 --micro-batch-size 16 \
+  --temperature 0.5 --lr 1e-3 --warmup-steps 10 --step-adv-weight 1 --micro-batch-size 16 \
   --eval-interval 25 --sampled-eval-samples 8 --ckpt-interval 50 --export-interval 50 "$@"
 # RECORD=main adds this run to docs/results/rl_lift.json (what the README's table quotes)
 .venv/bin/python launch/report.py "$out/grpo" ${RECORD:+--record "$RECORD" --command "${OUT:+OUT=$OUT }SEED=$seed RECORD=$RECORD bash launch/run.sh${*:+ $*}"}
