@@ -526,6 +526,7 @@ class Observation:
     done: bool  # the episode is over
     valid: bool  # the action text parsed to an action (style "visgym": one VisGym executes)
     feedback: str  # what the action did ("" after reset)
+    bumped: bool = False  # a move into a wall: the agent stayed put and the turn is spent
 
 
 class MazeEnv:
@@ -572,7 +573,7 @@ class MazeEnv:
         else:
             action = parse_action(action_text)
             feedback = INVALID_FEEDBACK
-        reward = 0.0
+        reward, bumped = 0.0, False
         if action is None:
             pass  # feedback says why
         elif action[0] == "stop":
@@ -591,12 +592,12 @@ class MazeEnv:
                 if self.style == "ours":
                     feedback = f"Moved {MOVE_NAMES[action[1]]}."
             else:
-                feedback = WALL_FEEDBACK  # the same words in both styles
+                feedback, bumped = WALL_FEEDBACK, True  # the same words in both styles
         if not self.done and self.turn >= self.max_turns:
             self.done, self.end_reason = True, "turn_limit"
-        return self._observe(reward=reward, valid=action is not None, feedback=feedback)
+        return self._observe(reward=reward, valid=action is not None, feedback=feedback, bumped=bumped)
 
-    def _observe(self, reward, valid, feedback) -> Observation:
+    def _observe(self, reward, valid, feedback, bumped=False) -> Observation:
         if self.style == "visgym":
             image = render_visgym(self.maze, self.agent, self.cell_px, self.left)
             # no budget line once the episode is over: VisGym's harness asks nothing more
@@ -607,7 +608,8 @@ class MazeEnv:
         else:
             image = render(self.maze, self.agent, self.cell_px)
             text = observation_text(self.turn, feedback)
-        return Observation(image=image, text=text, reward=reward, done=self.done, valid=valid, feedback=feedback)
+        return Observation(image=image, text=text, reward=reward, done=self.done, valid=valid, feedback=feedback,
+                           bumped=bumped)
 
 # -----------------------------------------------------------------------------
 # evaluation and training mazes

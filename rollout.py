@@ -359,7 +359,7 @@ def play_episodes(engine, chat: ChatFormat, mazes: list, group_ids: list, *, sam
             obs = game.step(text)
             episode.end_cell = game.agent
             episode.invalid_actions += not obs.valid
-            episode.wall_bumps += obs.feedback == env.WALL_FEEDBACK
+            episode.wall_bumps += obs.bumped
             if game.done:
                 episode.done, episode.reward, episode.solved = True, obs.reward, game.solved
                 episode.end_reason = game.end_reason
@@ -453,7 +453,7 @@ def play_chat_episodes(mazes: list, reply_fn, *, max_turns: int, cell_px: int | 
             episode.replies.append(reply)
             obs = game.step(reply)
             episode.invalid_actions += not obs.valid
-            episode.wall_bumps += obs.feedback == env.WALL_FEEDBACK
+            episode.wall_bumps += obs.bumped
             conversations[i].append({"role": "assistant", "content": reply})
             if game.done:
                 episode.done, episode.reward, episode.solved = True, obs.reward, game.solved

@@ -108,7 +108,7 @@ def test_solver_path_is_shortest_and_reaches_the_goal(difficulty):
         game = MazeEnv(maze, max_turns=len(actions))
         for a in actions:
             obs = game.step(a)
-            assert obs.valid and obs.feedback != env.WALL_FEEDBACK
+            assert obs.valid and not obs.bumped and obs.feedback != env.WALL_FEEDBACK
         assert obs.done and obs.reward == 1.0 and game.solved and game.end_reason == "stop"
 
 
@@ -228,7 +228,7 @@ def test_wall_feedback_and_no_movement():
     r, c = maze.start
     blocked = next(d for d, (dr, dc) in env.MOVE_DELTAS.items() if maze.walls[r + dr][c + dc])
     obs = game.step(f"<answer>('move', {blocked})</answer>")
-    assert obs.feedback == "Cannot move into a wall." and obs.valid
+    assert obs.feedback == "Cannot move into a wall." and obs.valid and obs.bumped
     assert game.agent == maze.start and game.turn == 1 and not obs.done
     assert obs.text == "This is step 1. Cannot move into a wall."
 
