@@ -49,7 +49,8 @@ def grpo_seconds_per_step(code: Path, model: str, steps: int, args: list, out: P
 
 def measure(code: Path, args) -> dict:
     grpo = ["--lora-rank", "8", "--prompts-per-step", str(args.prompts), "--group-size", str(args.group),
-            "--max-new-tokens", "8", "--step-adv-weight", "1", "--micro-batch-size", "16", "--lr", "1e-3"]
+            "--max-new-tokens", "8", "--step-adv-weight", "1", "--micro-batch-size", "16", "--lr", "1e-3",
+            "--temperature", str(args.temperature)]
     with tempfile.TemporaryDirectory() as tmp:
         sft_s = sft_seconds_per_step(code, args.model, args.sft_steps, args.batch, Path(tmp) / "sft")
         grpo_s, phases = grpo_seconds_per_step(code, args.model, args.grpo_steps, grpo, Path(tmp) / "grpo")
@@ -67,6 +68,7 @@ def main():
     parser.add_argument("--grpo-steps", type=int, default=14)
     parser.add_argument("--prompts", type=int, default=4, help="GRPO mazes per step")
     parser.add_argument("--group", type=int, default=8, help="GRPO episodes per maze")
+    parser.add_argument("--temperature", type=float, default=0.5, help="GRPO's sampling temperature (the main job's)")
     args = parser.parse_args()
     args.model = str(Path(args.model).resolve())
     runs = {}

@@ -77,13 +77,24 @@ def test_detours_leave_the_path_for_several_moves(tiny_model):
 
 def test_sft_then_grpo_smoke_in_the_visgym_style(tmp_path, tiny_model):
     """A few SFT steps write an ordinary HF model that train.py starts GRPO from; the whole
-    pipeline in the VisGym-compatible style (its mazes, 25 px drawing, texts and parser)."""
+    pipeline in the VisGym-compatible style (its mazes, 25 px drawing, texts and parser). The SFT
+    goes through a LoRA (--lora-rank), merged on the way out: the projections moved, the
+    embeddings and the vision tower are the base's, bit for bit."""
+    from safetensors.torch import load_file
+
     sft_out = tmp_path / "sft"
     proc = subprocess.run([sys.executable, "sft.py", "--out", str(sft_out), "--steps", "3", "--batch-size", "8",
-                           "--log-every", "1", "--env-style", "visgym", "--difficulty", "easy"],
+                           "--log-every", "1", "--env-style", "visgym", "--difficulty", "easy", "--lora-rank", "4",
+                           "--warmup", "0", "--lr", "1e-2"],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (sft_out / "model" / "config.json").exists() and (sft_out / "model" / "chat_template.jinja").exists()
+    assert not list((sft_out / "model").glob("adapter_*"))  # merged, not an adapter directory
+    base = load_file(str(tiny_model / "model.safetensors"))
+    tuned = load_file(str(sft_out / "model" / "model.safetensors"))
+    moved = {k for k in base if not (base[k] == tuned[k]).all()}
+    assert set(base) == set(tuned) and moved
+    assert all(k.endswith("_proj.weight") and "language_model" in k for k in moved)
     lines = [json.loads(line) for line in (sft_out / "sft_metrics.jsonl").read_text().splitlines()]
     assert [line["step"] for line in lines] == [1, 2, 3, 3]  # one per step, then the image-reliance check
     assert 0 <= lines[-1]["heldout_action_accuracy"] <= 1
@@ -147,21 +158,3 @@ def test_the_vision_tower_is_frozen_or_trained_at_its_own_rate(tiny_model):
     assert len(language["params"]) + len(visual["params"]) == len(list(model.parameters()))
     assert sft.make_optimizer(model, 2e-3).param_groups[1]["lr"] == 2e-3  # 0: the same rate as the rest
 
-
-def test_sft_with_lora_writes_a_merged_model_that_changed_only_where_lora_was(tmp_path, tiny_model):
-    """--lora-rank trains a LoRA on the language model's projections and merges it on the way out:
-    the result is an ordinary HF model whose projections moved and whose embeddings and vision
-    tower are the base's, bit for bit."""
-    from safetensors.torch import load_file
-
-    out = tmp_path / "sft"
-    proc = subprocess.run([sys.executable, "sft.py", "--model", str(tiny_model), "--out", str(out), "--steps", "3",
-                           "--warmup", "0", "--lr", "1e-2", "--lora-rank", "4"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert not list((out / "model").glob("adapter_*"))  # merged, not an adapter directory
-    base, tuned = load_file(str(tiny_model / "model.safetensors")), load_file(str(out / "model" / "model.safetensors"))
-    assert set(base) == set(tuned)
-    moved = {k for k in base if not (base[k] == tuned[k]).all()}
-    assert moved and all(k.endswith("_proj.weight") and "language_model" in k for k in moved)
-    assert not any("visual" in k or "embed_tokens" in k for k in moved)
