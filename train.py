@@ -44,7 +44,6 @@ import torch.distributed as dist  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 import checkpoint  # noqa: E402
-import curriculum  # noqa: E402
 import distributed  # noqa: E402
 import env  # noqa: E402
 import grpo  # noqa: E402
@@ -69,11 +68,6 @@ class Config:
     max_model_len: int = 4096
     max_images: int = 0  # keep only the last k images in the conversation; 0: full history
     train_pool: int = 0  # 0: an endless stream of new training mazes; N: the first N over and over
-    # learnability sampling (curriculum.py): a maze whose last group all succeeded or all failed
-    # is kept with this probability, an even one always. 0: every maze of the stream, as it comes
-    learnability_floor: float = 0.0
-    # the share of training mazes started on a junction instead of their corner (curriculum.fork_start)
-    fork_start_frac: float = 0.0
     # GRPO
     steps: int = 20
     prompts_per_step: int = 8  # mazes per step over all ranks; each is played group_size times
@@ -146,8 +140,6 @@ class Config:
             problems.append("loss_aggregation must be token-mean or seq-mean")
         if self.lr_schedule not in ("constant", "cosine"):
             problems.append("lr_schedule must be constant or cosine")
-        if not (0 <= self.learnability_floor <= 1 and 0 <= self.fork_start_frac <= 1):
-            problems.append("learnability_floor and fork_start_frac must be in [0, 1] (0: off)")
         if self.tis_cap < 0 or self.train_pool < 0 or self.sampled_eval_samples < 0:
             problems.append("tis_cap, train_pool and sampled_eval_samples must be >= 0")
         for name in ("steps", "ppo_epochs", "max_turns", "max_new_tokens", "micro_batch_size", "eval_interval",
@@ -188,15 +180,6 @@ def turn_rewards(cfg: Config, e) -> list[float]:
         rewards = grpo.progress_rewards([distance[c] for c in e.states + [e.end_cell]], cfg.progress_reward)
     rewards[-1] += e.reward
     return rewards
-
-
-def group_success_rates(episodes: list, first_group: int, num_groups: int) -> list[float]:
-    """The strict success rate of each of the step's groups, over all ranks (collective)."""
-    solved = {}
-    for e in episodes:
-        solved.setdefault(e.group_id, []).append(float(e.solved))
-    merged = {g: v for part in distributed.all_gather_objects(solved) for g, v in part.items()}
-    return [sum(merged[g]) / len(merged[g]) for g in range(first_group, first_group + num_groups)]
 
 
 def make_experiences(cfg: Config, episodes: list, advantages: torch.Tensor, rewards: list) -> tuple[list, dict]:
@@ -356,8 +339,6 @@ def main(cfg: Config):
     optimizer = policy.make_optimizer(model, cfg.lr, cfg.weight_decay, cfg.lora_plus_ratio)
     scheduler = make_scheduler(optimizer, cfg)
     stream = env.TrainMazeStream(cfg.difficulty, eval_n=cfg.eval_mazes, pool=cfg.train_pool, style=cfg.env_style)
-    if cfg.learnability_floor > 0:
-        stream = curriculum.LearnabilitySampler(stream, cfg.learnability_floor, cfg.seed)
 
     start_step, hours = 0, 0.0
     ckpt = distributed.broadcast_object(str(checkpoint.find(out, cfg.resume, warn=log0) or "") if rank == 0 else None)
@@ -403,8 +384,7 @@ def main(cfg: Config):
 
         # 1. rollouts: every rank draws the same mazes from the stream and plays its share
         t0 = time.time()
-        drawn = [stream.next() for _ in range(cfg.prompts_per_step)]
-        mazes = [curriculum.fork_start(m, cfg.fork_start_frac, cfg.seed) for m in drawn]
+        mazes = [stream.next() for _ in range(cfg.prompts_per_step)]
         mine = list(range(rank * per_rank, (rank + 1) * per_rank))
         episodes = rollout.play_episodes(
             engine, chat, [mazes[i] for i in mine], [step * cfg.prompts_per_step + i for i in mine],
@@ -418,10 +398,6 @@ def main(cfg: Config):
             engine.sleep(level=1)
         timing["rollout_s"] = time.time() - t0
         metrics.update(rollout.rollout_metrics(episodes))
-        if cfg.learnability_floor > 0:
-            # every rank records every group's success rate, so the samplers stay identical
-            stream.record(drawn, group_success_rates(episodes, step * cfg.prompts_per_step, cfg.prompts_per_step))
-            metrics["candidates_per_maze"] = stream.take_draws() / cfg.prompts_per_step
 
         # 2. group advantages over all ranks, per-token rows, old (and reference) logprobs
         t0 = time.time()

@@ -204,8 +204,6 @@ def test_bad_config_is_a_clear_error():
         train.Config(train_max_turns=-1).validate(world_size=1)
     with pytest.raises(SystemExit, match="train_pool"):
         train.Config(train_pool=-1).validate(world_size=1)
-    with pytest.raises(SystemExit, match="learnability_floor"):
-        train.Config(learnability_floor=2.0).validate(world_size=1)
     cfg = train.parse_config(["--steps", "7", "--scale-adv-by-std", "false", "--lr", "0.5", "--progress", "No"])
     assert (cfg.steps, cfg.scale_adv_by_std, cfg.lr, cfg.progress) == (7, False, 0.5, False)
     assert train.parse_config(["--scale-adv-by-std", "1"]).scale_adv_by_std is True
