@@ -138,7 +138,9 @@ def lift_record(run: Path, kind: str, command: str) -> dict:
             # runs before sampled_eval_temperature existed sampled at the training temperature
             "sampled_temperature": evals[-1].get("sampled_temperature", config.get("temperature", 1.0)),
             "train_temperature": config.get("temperature", 1.0), "progress_reward": config.get("progress_reward", 0.0),
-            "grpo_steps": len(metrics), "grpo_minutes": round(sum(m["step_s"] for m in metrics) / 60, 1),
+            # a run still under way reads as such: grpo_steps short of planned_steps
+            "grpo_steps": len(metrics), "planned_steps": config.get("steps"),
+            "grpo_minutes": round(sum(m["step_s"] for m in metrics) / 60, 1),
             "command": command}
 
 

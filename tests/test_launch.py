@@ -328,7 +328,8 @@ def test_kubernetes_manifests(tmp_path):
 def _fake_run(run: Path, seed: int, solved_by_step: dict, step_s: float):
     """A run directory as train.py leaves it: config, metrics lines, evaluation files."""
     (run / "eval").mkdir(parents=True)
-    (run / "config.json").write_text(json.dumps({"seed": seed, "cell_px": 32, "max_turns": 15, "temperature": 0.5}))
+    (run / "config.json").write_text(json.dumps({"seed": seed, "cell_px": 32, "max_turns": 15, "temperature": 0.5,
+                                                 "steps": 30}))
     maze = env.eval_mazes("small", 1)[0]
     for step, solved in solved_by_step.items():
         rows = [{"maze_index": 0, "solved": True, "replies": [f"<answer>{a}</answer>" for a in env.solve(maze)]}]
@@ -374,6 +375,7 @@ def test_report_tables_come_from_the_logged_files(tmp_path):
         {"warm_start_solved": 32, "best_solved": 60, "final_solved": 60, "grpo_steps": 20, "seed": 0, "kind": "main",
          "command": "bash launch/run.sh"}
     assert records[str(a)]["grpo_minutes"] == 1.0  # 20 steps of 3 s
+    assert records[str(a)]["planned_steps"] == 30  # of which 20 are done: a run under way
     assert (records[str(a)]["train_temperature"], records[str(a)]["progress_reward"]) == (0.5, 0.0)
 
 
