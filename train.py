@@ -23,9 +23,9 @@ What of GRPO this keeps (DeepSeekMath Sec. 4): group-relative advantages with th
 to the base model (off by default, as in DAPO and Dr. GRPO). What it adds: clip-higher, GiGPO's
 step-level advantages for the multi-turn setting, truncated importance sampling against the
 engine's own logprobs, and an optional dense reward for progress toward the goal (off by default:
-it did not lift greedy play, docs/experiments.md). With one optimizer step per rollout batch (the default) the old policy is
-the current one, so there is no separate old-logprob pass: the ratio is 1 with the gradient of
-log pi, which is exactly the policy gradient.
+it did not lift greedy play, docs/experiments.md). With one optimizer step per rollout batch (the
+default) the old policy is the current one, so there is no separate old-logprob pass: the ratio is
+1 with the gradient of log pi, which is exactly the policy gradient.
 """
 
 import argparse

@@ -136,8 +136,7 @@ def lift_record(run: Path, kind: str, command: str) -> dict:
             "best_step": best["step"], "final_solved": evals[-1]["solved"], "final_step": evals[-1]["step"],
             "sampled_before": evals[0].get("sampled_solve_rate"), "sampled_after": evals[-1].get("sampled_solve_rate"),
             # runs before sampled_eval_temperature existed sampled at the training temperature
-            "sampled_temperature": next((e["sampled_temperature"] for e in (evals[-1], evals[0]) if "sampled_temperature" in e),
-                                        config.get("temperature", 1.0)),
+            "sampled_temperature": config.get("sampled_eval_temperature", config.get("temperature", 1.0)),
             "train_temperature": config.get("temperature", 1.0), "progress_reward": config.get("progress_reward", 0.0),
             # a run still under way reads as such: grpo_steps short of planned_steps
             "grpo_steps": len(metrics), "planned_steps": config.get("steps"),
