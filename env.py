@@ -213,33 +213,6 @@ def _check_style(style: str) -> str:
     return style
 
 
-def solve(maze: Maze, start=None) -> list:
-    """Shortest action sequence from `start` (default: maze.start) to the goal, ending with stop."""
-    start = tuple(maze.start if start is None else start)
-    if not maze.is_open(start):
-        raise ValueError(f"start {start} is not an open cell of the maze")
-    # breadth-first search, remembering how each cell was first reached
-    came_from = {start: None}  # cell -> (previous cell, direction taken)
-    frontier = deque([start])
-    while frontier:
-        cell = frontier.popleft()
-        if cell == maze.goal:
-            break
-        for d, (dr, dc) in MOVE_DELTAS.items():
-            nxt = (cell[0] + dr, cell[1] + dc)
-            if maze.is_open(nxt) and nxt not in came_from:
-                came_from[nxt] = (cell, d)
-                frontier.append(nxt)
-    if maze.goal not in came_from:
-        raise ValueError("the goal is unreachable from start")  # impossible in a perfect maze
-    actions = [STOP_ACTION]
-    cell = maze.goal
-    while came_from[cell] is not None:
-        cell, d = came_from[cell]
-        actions.append(ACTION_STRINGS[d])
-    return actions[::-1]
-
-
 def goal_distances(maze: Maze) -> dict:
     """The shortest-path distance (in moves) from every open cell to the goal: a breadth-first
     search outward from the goal."""
@@ -252,6 +225,26 @@ def goal_distances(maze: Maze) -> dict:
                 dist[nxt] = dist[cell] + 1
                 frontier.append(nxt)
     return dist
+
+
+def solve(maze: Maze, start=None) -> list:
+    """Shortest action sequence from `start` (default: maze.start) to the goal, ending with stop:
+    from each cell, the move to the neighbour one step nearer the goal (goal_distances)."""
+    start = tuple(maze.start if start is None else start)
+    if not maze.is_open(start):
+        raise ValueError(f"start {start} is not an open cell of the maze")
+    dist = goal_distances(maze)
+    if start not in dist:
+        raise ValueError("the goal is unreachable from start")  # impossible in a perfect maze
+    actions, cell = [], start
+    while cell != maze.goal:
+        for d, (dr, dc) in MOVE_DELTAS.items():
+            nxt = (cell[0] + dr, cell[1] + dc)
+            if dist.get(nxt) == dist[cell] - 1:
+                break
+        actions.append(ACTION_STRINGS[d])
+        cell = nxt
+    return actions + [STOP_ACTION]
 
 # -----------------------------------------------------------------------------
 # reading the model's reply

@@ -95,6 +95,16 @@ def demonstration(maze, chat: rollout.ChatFormat, reply_ids: dict, rng: random.R
     return [s for s, keep in zip(episode.sequences, trained) if keep]
 
 
+def demonstrations(chat: rollout.ChatFormat, n: int, *, max_turns: int, noise: float = 0.5,
+                   difficulty: str = "small") -> list:
+    """Full-history demonstrations of the first n training mazes of a size (BFS moves with detours,
+    maze i played with rng seed i): the small fixed batch that checks and tests train on."""
+    reply_ids, _ = reply_tokens(chat)
+    stream = env.TrainMazeStream(difficulty)
+    return [demonstration(stream.next(), chat, reply_ids, random.Random(i), max_turns=max_turns, max_images=None,
+                          cell_px=env.CELL_PX_TINY, noise=noise)[0] for i in range(n)]
+
+
 def reply_tokens(chat: rollout.ChatFormat) -> tuple[dict, int]:
     """The reply the model should learn for each action (the answer, then the end-of-turn token),
     and the id of `<answer>`: the action token is the one right after it."""

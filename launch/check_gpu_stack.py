@@ -148,7 +148,6 @@ def process_group_routing():
 def trainer_step(tiny: str):
     """The trainer's tensors on this stack (CPU branch): one real update and a checkpoint."""
     import os
-    import random
 
     import torch
 
@@ -166,10 +165,7 @@ def trainer_step(tiny: str):
     cfg = train.Config(lora_rank=8, lora_alpha=16, micro_batch_size=2)
     model = policy.build_policy(cfg, tiny)
     chat = rollout.ChatFormat.for_model(tiny)
-    reply_ids, _ = sft.reply_tokens(chat)
-    stream = env.TrainMazeStream("small")
-    sequences = [sft.demonstration(stream.next(), chat, reply_ids, random.Random(i), max_turns=5, max_images=None,
-                                   cell_px=env.CELL_PX_TINY, noise=0.5)[0] for i in range(4)]
+    sequences = sft.demonstrations(chat, 4, max_turns=5)
     model.eval()
     with torch.no_grad():  # the "engine's" log-probs: the trainer's own (demonstrations carry none)
         for s in sequences:

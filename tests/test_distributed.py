@@ -32,9 +32,6 @@ def test_on_a_gpu_the_group_is_made_split_and_bound_to_the_device(monkeypatch):
 
 def _record_collectives(model_dir: str, results):
     """A world of one running the trainer's own code paths with every collective recorded."""
-    import random
-
-    import env
     import policy
     import rollout
     import sft
@@ -56,10 +53,7 @@ def _record_collectives(model_dir: str, results):
     cfg = train.Config(lora_rank=8, lora_alpha=16, micro_batch_size=2)
     model = policy.build_policy(cfg, model_dir)
     chat = rollout.ChatFormat.for_model(model_dir)
-    reply_ids, _ = sft.reply_tokens(chat)
-    stream = env.TrainMazeStream("small")
-    seqs = [sft.demonstration(stream.next(), chat, reply_ids, random.Random(i), max_turns=4, max_images=None,
-                              cell_px=32, noise=0.5)[0] for i in range(3)]
+    seqs = sft.demonstrations(chat, 3, max_turns=4)
     experiences = [policy.Experience(s, torch.tensor(s.response_mask[1:], dtype=torch.float32) * (1 - i), i)
                    for i, s in enumerate(seqs)]
     optimizer = policy.make_optimizer(model, 1e-3)

@@ -37,14 +37,9 @@ def in_fresh_process(target, *args, timeout: int = 300):
 
 def demonstrations(chat, n: int, noise: float = 0.5, max_turns: int = 6):
     """n full-history training sequences of n training mazes (BFS moves with detours)."""
-    import random
-
     import sft
 
-    reply_ids, _ = sft.reply_tokens(chat)
-    stream = env.TrainMazeStream("small")
-    return [sft.demonstration(stream.next(), chat, reply_ids, random.Random(i), max_turns=max_turns,
-                              max_images=None, cell_px=env.CELL_PX_TINY, noise=noise)[0] for i in range(n)]
+    return sft.demonstrations(chat, n, max_turns=max_turns, noise=noise)
 
 
 def perturbed_policy(cfg, model_path):

@@ -193,6 +193,42 @@ def test_two_processes(tmp_path, warm_start):
     assert json.loads((out / "eval" / "step_2.json").read_text())["total"] == 8
 
 
+# ----------------------------------------------------------------------------- evaluation
+
+def test_the_sampled_evaluation_samples_at_its_own_temperature(tmp_path, engine, warm_start):
+    """--sampled-eval-temperature, not the training temperature, is what the engine samples the
+    held-out mazes at, and the evaluation file says which one it was."""
+    import torch.distributed as dist
+
+    import rollout
+
+    temperatures = []
+
+    class RecordingEngine:  # the real engine, with the temperature of every sampled request noted
+        def __getattr__(self, name):
+            return getattr(engine, name)
+
+        def generate(self, prompts, params, **kwargs):
+            temperatures.extend(p.temperature for p in params)
+            return engine.generate(prompts, params, **kwargs)
+
+    ours = not dist.is_initialized()  # the in-process engine normally made a world of one already
+    if ours:
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        cfg = train.Config(eval_mazes=2, sampled_eval_samples=2, temperature=0.5, sampled_eval_temperature=0.8,
+                           max_turns=3, max_new_tokens=8, progress=False)
+        result = train.evaluate(cfg, RecordingEngine(), rollout.ChatFormat.for_model(str(warm_start)), None, 0,
+                                tmp_path)
+    finally:
+        if ours:
+            dist.destroy_process_group()
+    assert temperatures and set(temperatures) == {0.8}
+    assert 0.0 <= result["sampled_solve_rate"] <= 1.0
+    saved = json.loads((tmp_path / "eval" / "step_0.json").read_text())
+    assert saved["sampled_temperature"] == 0.8 and saved["solved"] == result["solved"]
+
+
 # ----------------------------------------------------------------------------- configuration
 
 def test_bad_config_is_a_clear_error():
