@@ -124,6 +124,12 @@ def seeds_table(rows: list[dict], target: float) -> str:
 RESULTS = ROOT / "docs" / "results" / "rl_lift.json"
 
 
+def sampled_temperature(config: dict) -> float:
+    """The temperature of a run's sampled evaluation: its own setting; runs from before that
+    setting existed sampled at the training temperature."""
+    return config.get("sampled_eval_temperature", config.get("temperature", 1.0))
+
+
 def lift_record(run: Path, kind: str, command: str) -> dict:
     """What docs/results/rl_lift.json keeps of a run: greedy held-out solved before GRPO, at its
     best and at the end, the sampled solve rate before and after, and what it took."""
@@ -135,8 +141,7 @@ def lift_record(run: Path, kind: str, command: str) -> dict:
             "total": evals[0]["total"], "warm_start_solved": evals[0]["solved"], "best_solved": best["solved"],
             "best_step": best["step"], "final_solved": evals[-1]["solved"], "final_step": evals[-1]["step"],
             "sampled_before": evals[0].get("sampled_solve_rate"), "sampled_after": evals[-1].get("sampled_solve_rate"),
-            # runs before sampled_eval_temperature existed sampled at the training temperature
-            "sampled_temperature": config.get("sampled_eval_temperature", config.get("temperature", 1.0)),
+            "sampled_temperature": sampled_temperature(config),
             "train_temperature": config.get("temperature", 1.0), "progress_reward": config.get("progress_reward", 0.0),
             # a run still under way reads as such: grpo_steps short of planned_steps
             "grpo_steps": len(metrics), "planned_steps": config.get("steps"),
@@ -181,7 +186,7 @@ def main():
         print(f"| best | {best['step']} | {best['solved']}/{best['total']} |")
         print(f"| final | {evals[-1]['step']} | {evals[-1]['solved']}/{evals[-1]['total']} |")
         if "sampled_solve_rate" in evals[0] and "sampled_solve_rate" in evals[-1]:
-            print(f"\nsampled solve rate (temperature {config['temperature']}, held-out mazes): "
+            print(f"\nsampled solve rate (temperature {sampled_temperature(config)}, held-out mazes): "
                   f"{evals[0]['sampled_solve_rate']:.3f} before GRPO, {evals[-1]['sampled_solve_rate']:.3f} after")
     first, max_turns = evals[0], config["max_turns"]
     print(f"\n{solvable(first['difficulty'], first['total'], max_turns)} of the {first['total']} {first['difficulty']} "

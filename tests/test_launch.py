@@ -325,16 +325,19 @@ def test_kubernetes_manifests(tmp_path):
 
 # ----------------------------------------------------------------------------- the report
 
-def _fake_run(run: Path, seed: int, solved_by_step: dict, step_s: float):
-    """A run directory as train.py leaves it: config, metrics lines, evaluation files."""
+def _fake_run(run: Path, seed: int, solved_by_step: dict, step_s: float, sampled: dict | None = None, **settings):
+    """A run directory as train.py leaves it: config, metrics lines, evaluation files (with the
+    sampled solve rate at the steps `sampled` names)."""
     (run / "eval").mkdir(parents=True)
     (run / "config.json").write_text(json.dumps({"seed": seed, "cell_px": 32, "max_turns": 15, "temperature": 0.5,
-                                                 "steps": 30}))
+                                                 "steps": 30, **settings}))
     maze = env.eval_mazes("small", 1)[0]
     for step, solved in solved_by_step.items():
         rows = [{"maze_index": 0, "solved": True, "replies": [f"<answer>{a}</answer>" for a in env.solve(maze)]}]
+        extra = {"sampled_solve_rate": sampled[step]} if sampled and step in sampled else {}
         (run / "eval" / f"step_{step}.json").write_text(json.dumps(
-            {"step": step, "difficulty": "small", "solved": solved, "total": 64, "solve_rate": solved / 64, "mazes": rows}))
+            {"step": step, "difficulty": "small", "solved": solved, "total": 64, "solve_rate": solved / 64,
+             "mazes": rows, **extra}))
     last = max(solved_by_step)
     (run / "metrics.jsonl").write_text("".join(json.dumps(
         {"step": s, "step_s": step_s, "rollout_s": 1.0, "update_s": 2.0, "solve_rate": 0.5, "reward_mean": 0.5}) + "\n"
@@ -394,3 +397,17 @@ def test_gpu_check_runs_the_trainer_path_in_its_dry_run(tmp_path):
     assert [c["check"].split(":")[0] for c in report["checks"]][1:] == ["small"] * 4
     update = next(c for c in report["checks"] if "grpo_update" in c["check"])
     assert "LoRA moved" in update["detail"] and report["shapes"]["small"]["grad_norm"] > 0
+
+
+def test_report_names_the_sampled_evaluations_own_temperature(tmp_path):
+    """A run that trains at T 0.5 and evaluates sampled play at T 1: the table printed at the end and
+    the record both say 1.0."""
+    run = tmp_path / "grpo"
+    _fake_run(run, 0, {0: 30, 30: 40}, step_s=2.0, sampled={0: 0.3, 30: 0.4}, sampled_eval_temperature=1.0)
+    results = tmp_path / "rl_lift.json"
+    proc = subprocess.run([sys.executable, "launch/report.py", str(run), "--record", "long", "--results", str(results)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "sampled solve rate (temperature 1.0, held-out mazes): 0.300 before GRPO, 0.400 after" in proc.stdout
+    [rec] = json.loads(results.read_text())
+    assert (rec["sampled_temperature"], rec["train_temperature"], rec["sampled_after"]) == (1.0, 0.5, 0.4)
