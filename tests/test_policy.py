@@ -35,13 +35,6 @@ def in_fresh_process(target, *args, timeout: int = 300):
     return out
 
 
-def demonstrations(chat, n: int, noise: float = 0.5, max_turns: int = 6):
-    """n full-history training sequences of n training mazes (BFS moves with detours)."""
-    import sft
-
-    return sft.demonstrations(chat, n, max_turns=max_turns, noise=noise)
-
-
 def perturbed_policy(cfg, model_path):
     """The FSDP + LoRA policy with LoRA B moved off its zero init, so the adapter's A matrices get
     gradients too and the adapter changes the model."""
@@ -59,12 +52,13 @@ def perturbed_policy(cfg, model_path):
 def _features_check(model_dir: str, results):
     import distributed
     import rollout
+    import sft
 
     distributed.init_distributed()
     cfg = train.Config(lora_rank=8, lora_alpha=16, seed=0)
     model = perturbed_policy(cfg, model_dir)
     chat = rollout.ChatFormat.for_model(model_dir)
-    seqs = demonstrations(chat, 3)
+    seqs = sft.demonstrations(chat, 3, max_turns=6)
     seqs.append(rollout.Sequence(list(seqs[0].token_ids), list(seqs[0].response_mask),  # shares every image
                                  list(seqs[0].rollout_logprobs), list(seqs[0].images)))
     idx = list(range(len(seqs)))
@@ -197,12 +191,13 @@ def _update_check(model_dir: str, results):
     import distributed
     import grpo
     import rollout
+    import sft
 
     distributed.init_distributed()
     cfg = train.Config(lora_rank=8, lora_alpha=16, micro_batch_size=2, max_grad_norm=1e9, tis_cap=0)
     model = perturbed_policy(cfg, model_dir)
     chat = rollout.ChatFormat.for_model(model_dir)
-    sequences = demonstrations(chat, 4, max_turns=4)
+    sequences = sft.demonstrations(chat, 4, max_turns=4)
     batch = policy.Batch(sequences, chat.processor, model)
     advantages = [1.0, 0.0, -0.5, 0.0]
 
