@@ -265,6 +265,14 @@ class Episode:
         return ids, images
 
 
+def request_seed(run_seed: int, sample_id: int, turn: int) -> int:
+    """The sampling seed of one reply: distinct per (run seed, episode, turn), so that a group's
+    members draw different samples (identical seeds give identical samples), and a resumed run
+    draws exactly what an uninterrupted run would have drawn. Within a run it is one-to-one for
+    turn < 1,009 and sample_id < 2,128,000 (then 1,009 * sample_id + turn < 2**31 - 1)."""
+    return (run_seed * 1_000_003 + sample_id * 1_009 + turn) % (2**31 - 1)
+
+
 def play_episodes(engine, chat: ChatFormat, mazes: list, group_ids: list, *, samples_per_maze: int,
                   max_turns: int, max_new_tokens: int, max_model_len: int, temperature: float,
                   seed: int, lora_request=None, cell_px: int | None = None, style: str = "ours",
@@ -311,11 +319,9 @@ def play_episodes(engine, chat: ChatFormat, mazes: list, group_ids: list, *, sam
         if temperature == 0.0:
             return SamplingParams(temperature=0.0, max_tokens=max_new_tokens, min_tokens=min_new_tokens,
                                   logit_bias=no_vision_tokens, detokenize=False)
-        # A distinct seed per (run seed, episode, turn): samples differ across a group's members,
-        # and a resumed run draws exactly what an uninterrupted run would have drawn.
-        request_seed = (seed * 1_000_003 + episode.sample_id * 1_009 + turn) % (2**31 - 1)
         return SamplingParams(temperature=temperature, max_tokens=max_new_tokens, min_tokens=min_new_tokens,
-                              logprobs=0, seed=request_seed, logit_bias=no_vision_tokens, detokenize=False)
+                              logprobs=0, seed=request_seed(seed, episode.sample_id, turn),
+                              logit_bias=no_vision_tokens, detokenize=False)
 
     bar = tqdm(total=len(episodes), desc=desc, unit="ep", disable=not progress, leave=False)
     turn = 0

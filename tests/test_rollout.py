@@ -1,5 +1,7 @@
 """Rollouts keep tokens exactly: the trainer sees what vLLM saw, images included."""
 
+import math
+
 import torch
 from transformers import AutoProcessor, GenerationConfig, Qwen3VLForConditionalGeneration
 
@@ -53,13 +55,62 @@ def test_sequences_line_up_with_the_processor(engine, warm_start):
         assert seq.images == e.images[:e.num_turns]
 
 
+def test_reply_seeds_are_distinct_within_and_across_groups():
+    """Identical seeds give identical samples (STACK.md): every reply of a run needs its own."""
+    for run_seed in (0, 1, 12345):
+        # 40 steps of 8 mazes x 8 members x 15 turns, as training numbers them
+        seeds = [rollout.request_seed(run_seed, sample_id, turn) for sample_id in range(40 * 8 * 8) for turn in range(15)]
+        assert len(set(seeds)) == len(seeds)
+    assert rollout.request_seed(0, 5, 3) == rollout.request_seed(0, 5, 3)  # a resumed run redraws the same
+
+
+def _first_reply_logprob(model, processor, chat, episode, temperature: float) -> float:
+    """log P(the episode's first reply) under the distribution the engine sampled it from:
+    softmax((logits + bias) / T), the -100 bias on vision tokens applied before the temperature as
+    vLLM's sampler does, recomputed by the trainer's model (fp32: equal to vLLM's to ~1e-7)."""
+    inputs, mask, _ = policy.Batch(episode.sequences, processor).micro([0], torch.device("cpu"))
+    with torch.no_grad():
+        logits = model(**inputs).logits[0, :-1].float()
+    logits[:, list(chat.banned_token_ids)] -= 100.0
+    logprobs = torch.log_softmax(logits / temperature, dim=-1)
+    targets = inputs["input_ids"][0, 1:]
+    first = mask[0].nonzero().flatten()[:len(episode.reply_ids[0])]
+    assert targets[first].tolist() == episode.reply_ids[0]
+    return logprobs[first, targets[first]].sum().item()
+
+
 def test_group_members_play_the_same_maze_with_different_samples(engine, warm_start):
-    _, chat = _chat(warm_start)
-    episodes = _play(engine, chat)
-    group0 = [e for e in episodes if e.group_id == 0]
-    assert len({e.maze.layout_key() for e in group0}) == 1
-    assert len({tuple(e.sequences[0].token_ids) for e in group0}) == 3  # diverse samples within a group
-    again = _play(engine, chat)  # seeded per episode and turn: reproducible
+    """Members of a group get distinct seeds, and so draw independent samples.
+
+    Whether 8 samples of a confident policy coincide depends on the policy's weights (trained in
+    the test run, so different on every machine), so agreement alone proves nothing. What would
+    is agreement on a reply too improbable to be drawn 8 times independently: if the first
+    member's first reply s has probability P(s), all 7 others repeating it has probability
+    P(s)^7. The test fails when a group agrees on an s with P(s)^7 < 1e-9; for independent
+    samples that happens with probability sum over such s of P(s)^8 <= 1e-9 * sum P(s) <= 1e-9,
+    whatever the weights. Where this was written, P(s) of the groups' first replies at T = 2 was
+    below 1e-2 (printed below with -s), so members sharing one seed fail it (tried: a seed without
+    the sample id)."""
+    processor, chat = _chat(warm_start)
+    seen = []  # every request's seed, as the engine received it
+
+    class Recording:
+        def generate(self, prompts, params, **kw):
+            seen.extend(p.seed for p in params)
+            return engine.generate(prompts, params, **kw)
+
+    args = dict(samples_per_maze=8, max_turns=2, temperature=2.0)  # 2: vLLM's highest
+    episodes = _play(Recording(), chat, **args)
+    assert len(seen) == len(set(seen)) == sum(e.num_turns for e in episodes)  # one seed per reply, all distinct
+    model = Qwen3VLForConditionalGeneration.from_pretrained(warm_start, dtype=torch.float32)
+    for group in (0, 1):
+        members = [e for e in episodes if e.group_id == group]
+        assert len(members) == 8 and len({e.maze.layout_key() for e in members}) == 1  # one maze per group
+        logp = _first_reply_logprob(model, processor, chat, members[0], args["temperature"])
+        print(f"group {group}: P(first reply) = {math.exp(logp):.2e}")
+        agree = len({tuple(e.reply_ids[0]) for e in members}) == 1
+        assert not (agree and 7 * logp < math.log(1e-9)), "8 members drew the same improbable reply"
+    again = _play(engine, chat, **args)  # seeded per episode and turn: reproducible
     assert [e.reply_ids for e in again] == [e.reply_ids for e in episodes]
 
 
