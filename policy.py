@@ -157,12 +157,16 @@ def make_optimizer(model, lr: float, weight_decay: float = 0.0, lora_plus_ratio:
     """AdamW over the LoRA weights. With lora_plus_ratio, LoRA+ (Hayou et al. 2024,
     arXiv:2402.12354; PEFT's create_loraplus_optimizer): B at lr * ratio, A at lr. B starts at
     zero and A at random, so a step that is large for B is violent for A; one rate for both
-    makes the adapter learn far slower than full fine-tuning at the same rate."""
+    makes the adapter learn far slower than full fine-tuning at the same rate.
+
+    PEFT's LoRA+ optimizer sets each group's decay from its own `loraplus_weight_decay` (default 0)
+    and would drop a plain `weight_decay` (peft 0.21.2, peft/optimizers/loraplus.py:90-111), so
+    the decay is passed under that name: --weight-decay means the same with LoRA+ on or off."""
     if lora_plus_ratio:
         from peft.optimizers import create_loraplus_optimizer
 
         return create_loraplus_optimizer(model, torch.optim.AdamW, lr=lr, loraplus_lr_ratio=lora_plus_ratio,
-                                         weight_decay=weight_decay)
+                                         loraplus_weight_decay=weight_decay)
     return torch.optim.AdamW([p for _, p in lora_parameters(model)], lr=lr, weight_decay=weight_decay)
 
 

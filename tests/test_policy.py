@@ -272,3 +272,25 @@ def test_model_mistakes_are_one_clear_line(tmp_path, monkeypatch):
     for model, message in cases:
         with pytest.raises(SystemExit, match=message.replace("(", r"\(").replace(")", r"\)")):
             policy.resolve_model(model, collective=False)
+
+
+# ----------------------------------------------------------------------------- the optimizer
+
+def test_weight_decay_applies_with_lora_plus_too():
+    """--weight-decay reaches every LoRA group, with LoRA+ on as with it off (PEFT's LoRA+ optimizer
+    reads its own `loraplus_weight_decay` and would leave a plain `weight_decay` unused)."""
+    from peft import LoraConfig, get_peft_model
+
+    class Two(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q_proj, self.v_proj = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+    model = get_peft_model(Two(), LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))
+    for ratio in (0.0, 16.0):
+        optimizer = policy.make_optimizer(model, lr=1e-3, weight_decay=0.1, lora_plus_ratio=ratio)
+        groups = [g for g in optimizer.param_groups if g["params"]]
+        assert sum(len(g["params"]) for g in groups) == 4  # A and B of both targets
+        assert all(g["weight_decay"] == 0.1 for g in groups), [(len(g["params"]), g["weight_decay"]) for g in groups]
+        if ratio:
+            assert sorted(g["lr"] for g in groups) == [1e-3, 1e-3 * ratio]  # LoRA+ itself still on
