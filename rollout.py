@@ -62,13 +62,15 @@ def build_engine(model: str, **kwargs):
 
 def engine_arguments(model: str, *, max_model_len: int, max_lora_rank: int, seed: int,
                      gpu_memory_utilization: float = 0.45, max_images: int = 16, max_image_px: int = 0,
-                     external_launcher: bool = False, on_gpu: bool | None = None, **engine_kwargs) -> dict:
+                     external_launcher: bool = False, on_gpu: bool | None = None, sleep_mode: bool = True,
+                     **engine_kwargs) -> dict:
     """The keyword arguments of `vllm.LLM` for this machine (on_gpu: default, whether CUDA is here).
 
     With `external_launcher` every torchrun rank builds its own engine inside its own process
     (vLLM then joins the process group torchrun created instead of spawning workers).
     `max_image_px` (the largest image's side) lets vLLM size its memory profile for the images
     the mazes really make instead of max_images images of the largest size the processor takes.
+    `sleep_mode` False (--engine-sleep none) leaves vLLM's sleep-mode allocator out on a GPU.
     Any other keyword goes to `vllm.LLM` as is, overriding ours (bench/bench.py tries `enforce_eager`).
     """
     on_gpu = torch.cuda.is_available() if on_gpu is None else on_gpu
@@ -81,9 +83,9 @@ def engine_arguments(model: str, *, max_model_len: int, max_lora_rank: int, seed
                              if max_image_px else max_images, "video": 0},
     )
     if on_gpu:
-        # sleep frees the CUDA graphs' memory too, not only the weights and the KV cache
-        kwargs.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=True,
-                      sleep_mode_offload_cudagraph=True)
+        kwargs.update(gpu_memory_utilization=gpu_memory_utilization)
+        if sleep_mode:  # sleep offloads the CUDA graphs' memory too, not only the weights and the KV cache
+            kwargs.update(enable_sleep_mode=True, sleep_mode_offload_cudagraph=True)
     else:
         # Whole prefills only. A prefill split over two engine steps samples a token after the
         # first part and throws it away, rewinding that request's seeded generator, and a CPU
@@ -99,6 +101,98 @@ def engine_arguments(model: str, *, max_model_len: int, max_lora_rank: int, seed
     if external_launcher:
         kwargs.update(distributed_executor_backend="external_launcher")
     return {**kwargs, **engine_kwargs}
+
+
+# ----------------------------------------------------------------------------- sharing the GPU
+
+ENGINE_SLEEP_MODES = ("auto", "offload", "kv", "none")
+
+
+def choose_engine_sleep(headroom_bytes: float, weights_bytes: float, total_bytes: float) -> tuple[str, str]:
+    """auto's choice, from what the first step measured: "kv" if the GPU memory that stayed free
+    during the trainer's update, with the engine fully asleep, would also hold the engine's
+    weights plus a reserve (5% of the GPU, at least 2 GiB: the CUDA graphs, LoRA buffers and
+    workspace that stay with them); else "offload". Returns (mode, the reason in words)."""
+    gib = 2**30
+    reserve = max(0.05 * total_bytes, 2 * gib)
+    fits = headroom_bytes >= weights_bytes + reserve
+    return ("kv" if fits else "offload",
+            f"--engine-sleep auto: {headroom_bytes / gib:.1f} GiB stayed free during the update with the engine "
+            f"offloaded; its weights need {weights_bytes / gib:.1f} GiB + a {reserve / gib:.1f} GiB reserve: "
+            + ("they fit, so from now on the engine keeps its weights on the GPU and drops only its KV cache (kv)"
+               if fits else "they do not fit, so the engine keeps offloading its weights to host RAM (offload)"))
+
+
+class CudaMemory:
+    """The few device-memory readings EngineSleep's auto mode takes (a stand-in replaces it in tests)."""
+
+    @staticmethod
+    def free() -> int:
+        return torch.cuda.mem_get_info()[0]
+
+    @staticmethod
+    def total() -> int:
+        return torch.cuda.mem_get_info()[1]
+
+    @staticmethod
+    def start_peak() -> int:
+        torch.cuda.reset_peak_memory_stats()
+        return torch.cuda.memory_reserved()
+
+    @staticmethod
+    def peak() -> int:
+        return torch.cuda.max_memory_reserved()
+
+
+class EngineSleep:
+    """How the engine gives the GPU to the trainer between rollouts (--engine-sleep), on vLLM 0.33:
+
+      offload  sleep(level=1): the weights (and CUDA graphs, LoRA buffers) are copied to pinned host
+               RAM, the KV cache is dropped; wake_up() copies them back. Frees the most memory; costs
+               a copy of the whole base model each way every step and that much pinned host RAM per
+               rank (~17 GB for Qwen3-VL-8B in bf16). The safe default.
+      kv       sleep(level=0) pauses the scheduler, release_kv_cache_memory() discards the KV cache's
+               memory without a copy; wake_up() maps it again. The weights stay on the GPU: no copy,
+               no host RAM, but the trainer gets the GPU minus the engine's weights.
+      none     the engine keeps everything (its gpu_memory_utilization share) while the trainer
+               runs beside it; vLLM's sleep-mode allocator is not even set up.
+      auto     offload on the first step, where it measures what stayed free during the update,
+               then kv if the weights fit there (choose_engine_sleep); it says what it chose.
+
+    Level 2 (weights discarded, reloaded from disk on wake) is not offered: the base never
+    changes in a LoRA run, so a reload every step would only add disk reads, and level 2 with
+    LoRA has an open crash report (vLLM issue 39934). On a CPU vLLM has no sleep mode: "none"."""
+
+    def __init__(self, engine, mode: str, on_gpu: bool, weights_bytes: float = 0.0, log=print,
+                 memory=CudaMemory, worst_over_ranks=None):
+        if mode not in ENGINE_SLEEP_MODES:
+            raise ValueError(f"engine sleep mode must be one of {ENGINE_SLEEP_MODES}, not {mode!r}")
+        self.engine, self.mode = engine, mode if on_gpu else "none"
+        self.weights_bytes, self.log, self.memory = weights_bytes, log, memory
+        self.worst_over_ranks = worst_over_ranks or (lambda x: x)  # every rank must choose alike
+        self.asleep, self._measure = False, None
+
+    def sleep(self):
+        mode = "offload" if self.mode == "auto" else self.mode
+        if mode == "offload":
+            self.engine.sleep(level=1)
+        elif mode == "kv":
+            self.engine.sleep(level=0)  # pause: release_kv_cache_memory needs an idle engine
+            self.engine.release_kv_cache_memory()
+        self.asleep = mode != "none"
+        if self.mode == "auto":
+            self._measure = (self.memory.free(), self.memory.start_peak())
+
+    def wake(self):
+        if self.mode == "auto" and self._measure is not None:
+            free_after_sleep, reserved_at_start = self._measure
+            headroom = free_after_sleep - (self.memory.peak() - reserved_at_start)
+            self.mode, reason = choose_engine_sleep(-self.worst_over_ranks(-headroom), self.weights_bytes,
+                                                    self.memory.total())
+            self.log(reason)
+        if self.asleep:
+            self.engine.wake_up()  # all tags: weights (if offloaded), KV cache, and the scheduler resumes
+            self.asleep = False
 
 
 class OncePerCallSite(logging.Filter):

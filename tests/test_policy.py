@@ -235,7 +235,9 @@ def test_single_pass_update_that_skips_zero_advantages_has_the_full_gradient(tin
 def test_two_ranks_match_one_rank(tmp_path, tiny_model):
     """One GRPO update on a fixed batch of 8 episodes: split over two ranks (each holding half of
     every group, so the advantages need the other rank's rewards) it gives the same gradient as
-    one rank holding all 8. Loss normalisation, advantage gathering and FSDP's averaging together."""
+    one rank holding all 8. Loss normalisation, advantage gathering and FSDP's averaging together;
+    and the model build: only rank 0 reads the checkpoint, rank 1 gets its shard (and the LoRA
+    init) from rank 0, and the gradients still agree."""
     worker = ROOT / "tests" / "update_worker.py"
     one, two = tmp_path / "one.pt", tmp_path / "two.pt"
     runs = [[sys.executable, str(worker), str(tiny_model), str(one)],
@@ -247,6 +249,7 @@ def test_two_ranks_match_one_rank(tmp_path, tiny_model):
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     a, b = torch.load(one), torch.load(two)
     assert a["sequences"] == b["sequences"] == 8 and a["world"] == 1 and b["world"] == 2
+    assert a["checkpoint_reads"] == [1] and b["checkpoint_reads"] == [1, 0]  # rank 0 reads, rank 1 receives
     assert a["advantages"] == pytest.approx(b["advantages"])
     norm = sum(g.norm() ** 2 for g in a["grads"].values()).sqrt().item()
     assert norm > 1e-5  # a real gradient
