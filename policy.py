@@ -253,6 +253,7 @@ class Batch:
         self.sequences = sequences
         self.processor = processor
         self.image_token_id = processor.image_token_id
+        self.banned_token_ids = rollout.vision_token_ids(processor)  # what sampling was biased against
         self.pad_id = processor.tokenizer.pad_token_id or 0
         self._keys = {}  # id(image) -> content digest
         self._pixels = {}  # digest -> (pixel_values, grid_thw)
@@ -332,10 +333,14 @@ def takes_encoder_outputs() -> bool:
     return "mm_encoder_outputs" in inspect.signature(Qwen3VLModel.forward).parameters
 
 
-def sequence_logprobs(model, inputs: dict, temperature: float = 1.0) -> torch.Tensor:
-    """Log-probs of each next token under the policy the engine sampled from: pi(. | T)."""
+def sequence_logprobs(model, inputs: dict, temperature: float = 1.0, banned_token_ids=()) -> torch.Tensor:
+    """Log-probs of each next token under the policy the engine sampled from, as the engine reports
+    them: at T = 1 the model's own, at another temperature those of the tempered distribution after
+    the engine's logit bias against `banned_token_ids` (rollout.logprobs_mode)."""
     logits = model(**inputs).logits
-    return grpo.token_logprobs(logits[:, :-1], inputs["input_ids"][:, 1:], temperature)
+    processed = rollout.logprobs_mode(temperature) == "processed_logprobs"
+    bias = rollout.sampling_logit_bias(banned_token_ids) if processed else None
+    return grpo.token_logprobs(logits[:, :-1], inputs["input_ids"][:, 1:], temperature, bias)
 
 
 def pad_rows(rows: list, device) -> torch.Tensor:
@@ -421,11 +426,11 @@ def fill_old_logprobs(model, batch: Batch, experiences: list, micro_batch_size: 
     model.eval()
     for idx in synced_micro_batches(list(range(len(experiences))), micro_batch_size, batch.length):
         inputs, mask, rollout_lp = batch.micro([0] if idx is None else idx, device)
-        lp = sequence_logprobs(model, inputs, temperature)
+        lp = sequence_logprobs(model, inputs, temperature, batch.banned_token_ids)
         ref = None
         if with_ref:
             with model.disable_adapter():  # the reference policy is the base model
-                ref = sequence_logprobs(model, inputs, temperature)
+                ref = sequence_logprobs(model, inputs, temperature, batch.banned_token_ids)
         if idx is None:  # a filler: FSDP needs every rank in every forward
             continue
         for row, i in enumerate(idx):  # unpadded rows: the update may group them differently

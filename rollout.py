@@ -218,6 +218,32 @@ class OncePerCallSite(logging.Filter):
 ONCE_PER_CALL_SITE = OncePerCallSite()
 
 
+def vision_token_ids(processor) -> list[int]:
+    """Vision placeholders must never appear in a reply: the trainer's forward pass would take a
+    generated <|image_pad|> for an image slot. Sampling gives them a logit bias of
+    VISION_TOKEN_BIAS (sampling_logit_bias)."""
+    return [t for t in (getattr(processor, name, None) for name in (
+        "image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")) if isinstance(t, int)]
+
+
+VISION_TOKEN_BIAS = -100.0
+
+
+def sampling_logit_bias(banned_token_ids) -> dict[int, float]:
+    """The logit bias of every sampled request ({} for none)."""
+    return {t: VISION_TOKEN_BIAS for t in banned_token_ids}
+
+
+def logprobs_mode(temperature: float) -> str:
+    """What the engine reports for each sampled token. At T = 1, vLLM's default "raw_logprobs":
+    the model's own log-probs, before the logit bias. At any other temperature, those of the
+    distribution it sampled from, "processed_logprobs": after the logit bias and the temperature
+    (vLLM 0.33: vllm/v1/sample/sampler.py and, under Model Runner V2, vllm/v1/worker/gpu/sample/
+    sampler.py). The trainer's log-probs follow the same rule (policy.sequence_logprobs), so both
+    sides always describe the same policy."""
+    return "raw_logprobs" if temperature == 1.0 else "processed_logprobs"
+
+
 class ChatFormat:
     """Turns maze observations into prompt token ids with the model's own chat template.
 
@@ -233,12 +259,7 @@ class ChatFormat:
         self.eos_token_ids = set(eos_token_ids)
         self.end_of_reply_id = next(iter(eos_token_ids), None)  # what a demonstrated reply ends with (SFT)
         self.image_token_id = processor.image_token_id
-        # Vision placeholders must never appear in a reply: the trainer's forward pass would take
-        # a generated <|image_pad|> for an image slot. Sampling gets a -100 logit bias on them
-        # (the logprobs vLLM reports are computed before the bias, like the trainer's).
-        self.banned_token_ids = [t for t in (getattr(processor, name, None) for name in (
-            "image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id"))
-            if isinstance(t, int)]
+        self.banned_token_ids = vision_token_ids(processor)
         self._image_tokens = {}  # image size -> number of tokens the image expands to
         self._next_turn = {}  # (observation text, with image, end token of the reply or None) -> ids
 
@@ -398,7 +419,7 @@ def play_episodes(engine, chat: ChatFormat, mazes: list, group_ids: list, *, sam
             episodes.append(episode)
             games.append(game)
 
-    no_vision_tokens = {t: -100.0 for t in chat.banned_token_ids}
+    no_vision_tokens = sampling_logit_bias(chat.banned_token_ids)
 
     def sampling_params(episode: Episode, turn: int):
         # detokenize=False: the engine returns token ids only; we decode each reply once, below
@@ -509,7 +530,7 @@ def engine_replies(engine, lora_request, max_new_tokens: int, banned_token_ids=(
     from vllm import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens,
-                            logit_bias={t: -100.0 for t in banned_token_ids} or None)
+                            logit_bias=sampling_logit_bias(banned_token_ids) or None)
 
     def reply_fn(conversations: list) -> list:
         outputs = engine.chat(conversations, params, lora_request=lora_request, use_tqdm=False)

@@ -257,7 +257,7 @@ def grpo_update(cfg, model, optimizer, scheduler, batch: policy.Batch, experienc
         for idx in policy.synced_micro_batches(in_mini, cfg.micro_batch_size, batch.length):
             rows = [0] if idx is None else idx  # a filler runs any one sequence, with weight 0
             inputs, mask, rollout_lp = batch.micro(rows, device)
-            lp = policy.sequence_logprobs(model, inputs, cfg.temperature)
+            lp = policy.sequence_logprobs(model, inputs, cfg.temperature, batch.banned_token_ids)
             xs = [experiences[i] for i in rows]
             old_lp = lp.detach() if xs[0].old_logprobs is None else policy.pad_rows([x.old_logprobs for x in xs], device)
             loss, m = grpo.policy_loss(
@@ -377,9 +377,9 @@ def main(cfg: Config):
                                   sleep_mode=cfg.engine_sleep != "none",
                                   max_image_px=env.DIFFICULTY_SIZES[cfg.difficulty]
                                   * env.cell_px_of(cfg.env_style, cfg.cell_px),
-                                  # vLLM reports the raw model's log-probs by default; at another
-                                  # temperature, those of the tempered distribution it sampled from
-                                  **({"logprobs_mode": "processed_logprobs"} if cfg.temperature != 1.0 else {}))
+                                  # at T = 1 the raw model's log-probs (vLLM's default); at another
+                                  # temperature, those of the distribution it sampled from
+                                  logprobs_mode=rollout.logprobs_mode(cfg.temperature))
     log0(f"vLLM engine ready in {time.time() - t:.1f}s" + ("" if on_gpu else
          "; CPU: vLLM has no sleep mode here, so the engine and the trainer both stay resident"))
 

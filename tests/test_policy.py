@@ -95,8 +95,12 @@ def test_precomputed_image_features_and_no_padding_mask_change_nothing(tiny_mode
 
 # ----------------------------------------------------------------------------- the sync proof
 
+TEMPERATURE = 0.5  # the main job's: the engine reports the log-probs of what it sampled from, after its logit bias
+
+
 def _sync_check(shared: str, model_dir: str, results):
-    """Update the policy, then compare what the engine samples with what the trainer computes."""
+    """Update the policy, then compare what the engine samples with what the trainer computes, at
+    the main job's temperature."""
     import checkpoint
     import distributed
     import grpo
@@ -106,31 +110,36 @@ def _sync_check(shared: str, model_dir: str, results):
     cfg = train.Config(lora_rank=8, lora_alpha=16)
     model = policy.build_policy(cfg, model_dir)
     base = checkpoint.base_model_record(model_dir)
-    engine = rollout.build_engine(model_dir, max_model_len=4096, max_lora_rank=8, seed=0, external_launcher=True)
+    engine = rollout.build_engine(model_dir, max_model_len=4096, max_lora_rank=8, seed=0, external_launcher=True,
+                                  logprobs_mode=rollout.logprobs_mode(TEMPERATURE))
     chat = rollout.ChatFormat.for_model(model_dir)
     mazes = [env.generate_maze(7, seed=s) for s in (5, 6)]
 
     def play(request, group_offset):
         return rollout.play_episodes(engine, chat, mazes, [group_offset, group_offset + 1], samples_per_maze=2,
-                                     max_turns=3, max_new_tokens=6, max_model_len=4096, temperature=1.0,
+                                     max_turns=3, max_new_tokens=6, max_model_len=4096, temperature=TEMPERATURE,
                                      seed=0, lora_request=request, progress=False)
 
-    def trainer_mismatch(episodes):
+    def trainer_mismatch(episodes, with_engine_bias=True):
         batch = policy.Batch([e.sequences[0] for e in episodes], chat.processor, model)
         with torch.no_grad():
             inputs, mask, rollout_lp = batch.micro(list(range(len(episodes))), torch.device("cpu"))
-            return grpo.logprob_mismatch(policy.sequence_logprobs(model, inputs), rollout_lp, mask)["mismatch_abs_mean"]
+            lp = policy.sequence_logprobs(model, inputs, TEMPERATURE, batch.banned_token_ids if with_engine_bias else ())
+            return grpo.logprob_mismatch(lp, rollout_lp, mask)["mismatch_abs_mean"]
 
     out = {}
     request0, _, _ = policy.sync_adapter(model, engine, Path(shared), 0, 5, base)
     episodes = play(request0, 0)
     out["before_update"] = trainer_mismatch(episodes)
+    # the tiny model puts some mass on the vision tokens: without the engine's bias the trainer's
+    # tempered policy is not the one the engine sampled from
+    out["before_update_without_bias"] = trainer_mismatch(episodes, with_engine_bias=False)
 
     # one real optimizer step with a big learning rate and made-up advantages
     optimizer = torch.optim.AdamW([p for _, p in policy.lora_parameters(model)], lr=5e-2)
     batch = policy.Batch([e.sequences[0] for e in episodes], chat.processor, model)
     inputs, mask, rollout_lp = batch.micro(list(range(len(episodes))), torch.device("cpu"))
-    loss, _ = grpo.policy_loss(policy.sequence_logprobs(model, inputs), rollout_lp,
+    loss, _ = grpo.policy_loss(policy.sequence_logprobs(model, inputs, TEMPERATURE, batch.banned_token_ids), rollout_lp,
                                torch.tensor([1.0, -1.0] * (len(episodes) // 2)), mask)
     loss.backward()
     optimizer.step()
@@ -157,7 +166,8 @@ def _sync_check(shared: str, model_dir: str, results):
 def test_engine_runs_the_current_policy_after_every_sync(tmp_path, tiny_model):
     out = in_fresh_process(_sync_check, str(tmp_path), str(tiny_model), timeout=600)
     print("sync check:", out)
-    assert out["before_update"] < 1e-3
+    assert out["before_update"] < 1e-5  # T = 0.5: the trainer applies the engine's logit bias too
+    assert out["before_update_without_bias"] > 100 * out["before_update"]  # which is needed: vLLM's are after it
     assert out["old_samples_after_update"] > 1e-2  # the update changed the policy
     assert out["after_sync"] < 1e-3  # ... and after the sync vLLM samples from the new one
     assert out["reused_id"] > 1e-2  # re-using an id would have kept the stale adapter
