@@ -161,29 +161,34 @@ class EngineSleep:
 
     Level 2 (weights discarded, reloaded from disk on wake) is not offered: the base never
     changes in a LoRA run, so a reload every step would only add disk reads, and level 2 with
-    LoRA has an open crash report (vLLM issue 39934). On a CPU vLLM has no sleep mode: "none"."""
+    LoRA has an open crash report (vLLM issue 39934; and NeMo-RL issue 2631 saw level 2 corrupt a
+    vision-language model's rollouts). On a CPU vLLM has no sleep mode: "none".
 
-    def __init__(self, engine, mode: str, on_gpu: bool, weights_bytes: float = 0.0, log=print,
+    The engine is passed to each call, not kept: train.py's shutdown frees it by dropping its one
+    reference (`del engine`) before the process group goes.
+    """
+
+    def __init__(self, mode: str, on_gpu: bool, weights_bytes: float = 0.0, log=print,
                  memory=CudaMemory, worst_over_ranks=None):
         if mode not in ENGINE_SLEEP_MODES:
             raise ValueError(f"engine sleep mode must be one of {ENGINE_SLEEP_MODES}, not {mode!r}")
-        self.engine, self.mode = engine, mode if on_gpu else "none"
+        self.mode = mode if on_gpu else "none"
         self.weights_bytes, self.log, self.memory = weights_bytes, log, memory
         self.worst_over_ranks = worst_over_ranks or (lambda x: x)  # every rank must choose alike
         self.asleep, self._measure = False, None
 
-    def sleep(self):
+    def sleep(self, engine):
         mode = "offload" if self.mode == "auto" else self.mode
         if mode == "offload":
-            self.engine.sleep(level=1)
+            engine.sleep(level=1)
         elif mode == "kv":
-            self.engine.sleep(level=0)  # pause: release_kv_cache_memory needs an idle engine
-            self.engine.release_kv_cache_memory()
+            engine.sleep(level=0)  # pause: release_kv_cache_memory needs an idle engine
+            engine.release_kv_cache_memory()
         self.asleep = mode != "none"
         if self.mode == "auto":
             self._measure = (self.memory.free(), self.memory.start_peak())
 
-    def wake(self):
+    def wake(self, engine):
         if self.mode == "auto" and self._measure is not None:
             free_after_sleep, reserved_at_start = self._measure
             headroom = free_after_sleep - (self.memory.peak() - reserved_at_start)
@@ -191,7 +196,7 @@ class EngineSleep:
                                                     self.memory.total())
             self.log(reason)
         if self.asleep:
-            self.engine.wake_up()  # all tags: weights (if offloaded), KV cache, and the scheduler resumes
+            engine.wake_up()  # all tags: weights (if offloaded), KV cache, and the scheduler resumes
             self.asleep = False
 
 

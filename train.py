@@ -383,8 +383,8 @@ def main(cfg: Config):
     log0(f"vLLM engine ready in {time.time() - t:.1f}s" + ("" if on_gpu else
          "; CPU: vLLM has no sleep mode here, so the engine and the trainer both stay resident"))
 
-    sleeper = rollout.EngineSleep(engine, cfg.engine_sleep, on_gpu, weights_bytes=policy.base_weight_bytes(model),
-                                  log=log0, worst_over_ranks=distributed.max_over_ranks)
+    sleeper = rollout.EngineSleep(cfg.engine_sleep, on_gpu, weights_bytes=policy.base_weight_bytes(model), log=log0,
+                                  worst_over_ranks=distributed.max_over_ranks)
     guard = policy.StalePolicyGuard(cfg.mismatch_bound, cfg.mismatch_steps, on_gpu)
     lora_request, lora_state, _ = policy.sync_adapter(model, engine, shared, start_step, cfg.keep_syncs, base)
     if (start_step == 0 or start_step % cfg.eval_interval == 0) and not (out / "eval" / f"step_{start_step}.json").exists():
@@ -408,7 +408,7 @@ def main(cfg: Config):
             max_new_tokens=cfg.max_new_tokens, max_model_len=cfg.max_model_len, temperature=cfg.temperature,
             seed=cfg.seed, lora_request=lora_request, cell_px=cfg.cell_px, style=cfg.env_style,
             max_images=cfg.max_images or None, desc=f"rollout@{step + 1}", progress=cfg.progress and rank == 0)
-        sleeper.sleep()  # time-slicing: the engine gives the GPU to the trainer (--engine-sleep)
+        sleeper.sleep(engine)  # time-slicing: the engine gives the GPU to the trainer (--engine-sleep)
         timing["rollout_s"] = time.time() - t0
         metrics.update(rollout.rollout_metrics(episodes))
 
@@ -439,7 +439,7 @@ def main(cfg: Config):
         if on_gpu:
             optimizer.zero_grad(set_to_none=True)  # the gradients are spent: free them for the engine
             torch.cuda.empty_cache()  # and the trainer's cached blocks (vLLM's wake_up does it too)
-        sleeper.wake()
+        sleeper.wake(engine)
         lora_request, lora_state, sync_stats = policy.sync_adapter(model, engine, shared, step + 1, cfg.keep_syncs, base)
         timing["sync_s"], metrics["sync_bytes"] = sync_stats["sync_s"], sync_stats["sync_bytes"]
 

@@ -198,20 +198,20 @@ def test_each_engine_sleep_mode_makes_the_vllm_calls_it_documents():
                 "none": []}
     for mode, calls in expected.items():
         engine = RecordingEngine()
-        sleeper = rollout.EngineSleep(engine, mode, on_gpu=True)
-        sleeper.sleep(), sleeper.wake()
+        sleeper = rollout.EngineSleep(mode, on_gpu=True)
+        sleeper.sleep(engine), sleeper.wake(engine)
         assert engine.calls == calls, mode
     engine = RecordingEngine()  # on a CPU vLLM has no sleep mode: whatever was asked, nothing is called
-    sleeper = rollout.EngineSleep(engine, "offload", on_gpu=False)
-    sleeper.sleep(), sleeper.wake()
+    sleeper = rollout.EngineSleep("offload", on_gpu=False)
+    sleeper.sleep(engine), sleeper.wake(engine)
     assert engine.calls == []
     # auto: offload first; then kv where the weights fit in what stayed free during the update
     for free, choice in ((60 * gib, "kv"), (25 * gib, "offload")):
         engine, said = RecordingEngine(), []
-        sleeper = rollout.EngineSleep(engine, "auto", on_gpu=True, weights_bytes=16 * gib, log=said.append,
+        sleeper = rollout.EngineSleep("auto", on_gpu=True, weights_bytes=16 * gib, log=said.append,
                                       memory=FakeMemory(free=free, extra=30 * gib))
         for _ in range(2):
-            sleeper.sleep(), sleeper.wake()
+            sleeper.sleep(engine), sleeper.wake(engine)
         assert sleeper.mode == choice and len(said) == 1 and f"({choice})" in said[0], said
         assert engine.calls[:2] == ["sleep(1)", "wake_up"]
         assert engine.calls[2:] == expected[choice]
@@ -219,7 +219,7 @@ def test_each_engine_sleep_mode_makes_the_vllm_calls_it_documents():
     assert rollout.choose_engine_sleep(30 * gib, 25 * gib, 100 * gib)[0] == "kv"
     assert rollout.choose_engine_sleep(30 * gib, 26 * gib, 100 * gib)[0] == "offload"
     with pytest.raises(ValueError, match="engine sleep mode"):
-        rollout.EngineSleep(engine, "level2", on_gpu=True)
+        rollout.EngineSleep("level2", on_gpu=True)
     # none leaves vLLM's sleep-mode allocator out; the others ask for it
     args = rollout.engine_arguments("m", max_model_len=64, max_lora_rank=8, seed=0, on_gpu=True, sleep_mode=False)
     assert "enable_sleep_mode" not in args
