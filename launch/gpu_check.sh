@@ -20,7 +20,7 @@ if [ "${1:-}" = --fetch-wheels ]; then
     -d .whl transformers==5.19.0 peft==0.21.2
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-    -d .whl "regex>=2025.10.22"
+    -d .whl regex==2026.11.19
   ls -la .whl
   exit 0
 fi
