@@ -220,6 +220,10 @@ def test_each_engine_sleep_mode_makes_the_vllm_calls_it_documents():
     assert rollout.choose_engine_sleep(30 * gib, 26 * gib, 100 * gib)[0] == "offload"
     with pytest.raises(ValueError, match="engine sleep mode"):
         rollout.EngineSleep("level2", on_gpu=True)
+    import train
+
+    with pytest.raises(SystemExit, match="engine_sleep must be one of.*\n.*mismatch_bound and mismatch_steps"):
+        train.Config(engine_sleep="level2", mismatch_steps=-1).validate(1)
     # none leaves vLLM's sleep-mode allocator out; the others ask for it
     args = rollout.engine_arguments("m", max_model_len=64, max_lora_rank=8, seed=0, on_gpu=True, sleep_mode=False)
     assert "enable_sleep_mode" not in args
