@@ -307,19 +307,27 @@ def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, resp
 
 # ----------------------------------------------------------------------------- log-probs
 
-def token_logprobs(logits: Tensor, target_ids: Tensor, temperature: float = 1.0) -> Tensor:
-    """log softmax(logits / temperature)[target] per position: [B, T, V], [B, T] -> float32 [B, T].
+def token_logprobs(logits: Tensor, target_ids: Tensor, temperature: float = 1.0,
+                   logit_bias: dict[int, float] | None = None) -> Tensor:
+    """log softmax((logits + bias) / temperature)[target] per position: [B, T, V], [B, T] -> float32 [B, T].
 
     Alignment: logits at position t predict token t+1, so the caller passes
     logits[:, :-1] and input_ids[:, 1:]. temperature must match the one the rollout engine
     sampled with (and whose log-probs it reported), else the ratio is off from step one.
+    logit_bias ({token id: added logit}) is the engine's, where its log-probs include it (vLLM adds
+    it to the fp32 logits, then divides by the temperature: policy.sequence_logprobs says when).
 
-    log p(y) = z_y - logsumexp(z), z = logits / temperature. Done one sequence at a time in
+    log p(y) = z_y - logsumexp(z), z = (logits + bias) / temperature. Done one sequence at a time in
     float32 (bf16 logsumexp loses ~0.1 nats) so only one [T, V] float copy is live at once.
     """
+    bias = None
+    if logit_bias:
+        bias = torch.zeros(logits.shape[-1], dtype=torch.float32, device=logits.device)
+        bias[list(logit_bias)] = torch.tensor(list(logit_bias.values()), dtype=torch.float32, device=logits.device)
     out = []
     for row_logits, row_targets in zip(logits, target_ids):
-        z = row_logits.float() / temperature
+        z = row_logits.float() if bias is None else row_logits.float() + bias
+        z = z / temperature
         picked = z.gather(-1, row_targets.long().unsqueeze(-1)).squeeze(-1)
         out.append(picked - torch.logsumexp(z, dim=-1))
     return torch.stack(out) if out else logits.new_zeros(target_ids.shape, dtype=torch.float32)

@@ -32,34 +32,76 @@ import rollout
 # ----------------------------------------------------------------------------- the policy
 
 def build_policy(cfg, model_path: str):
-    """HF Qwen3-VL + PEFT LoRA on the language model, sharded with FSDP2.
+    """HF Qwen3-VL + PEFT LoRA on the language model, sharded with FSDP2, read from disk once.
 
     The mesh is 2-D, (replicas, shard group): parameters are sharded within a shard group (by
     default one node) and replicated across groups, so the frozen base is all-gathered over the
     node's own links, never across the network; only gradients are reduced between nodes (HSDP).
-    Each decoder layer is its own FSDP unit (gathered just before it runs)."""
-    from transformers import Qwen3VLForConditionalGeneration
+    Each decoder layer is its own FSDP unit (gathered just before it runs).
 
-    on_gpu = torch.cuda.is_available()
-    model = Qwen3VLForConditionalGeneration.from_pretrained(
-        model_path, dtype=torch.bfloat16 if on_gpu else torch.float32)
-    return wrap_policy(cfg, model)
+    Host memory does not grow with the number of GPUs: only rank 0 reads the checkpoint into CPU
+    RAM (17.5 GB for the 8B model in bf16; before, every rank did, 140 GB on an 8-GPU node).
+    Every rank builds the model on the meta device (no memory), shards it, allocates only its own
+    shard, and receives its part of rank 0's tensors, one tensor at a time (torch's
+    set_model_state_dict with broadcast_from_rank0, as torchtitan loads its models). Rank 0's
+    LoRA init travels with the base, so every rank starts from the same adapter."""
+    from transformers import AutoConfig, Qwen3VLForConditionalGeneration
+
+    dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    with torch.device("meta"):
+        model = Qwen3VLForConditionalGeneration._from_config(AutoConfig.from_pretrained(model_path), dtype=dtype)
+    model = wrap_policy(cfg, model)  # (its collectives first: the other ranks then wait for rank 0's read)
+    source = None
+    if dist.get_rank() == 0:
+        source = add_lora(cfg, Qwen3VLForConditionalGeneration.from_pretrained(model_path, dtype=dtype))
+    load_from_rank0(model, source)
+    return model
+
+
+def load_from_rank0(model, source):
+    """Fill the (meta-built, sharded) `model` with rank 0's `source` (the same model, whole, in CPU
+    RAM on rank 0 only; None elsewhere). Collective."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    model.to_empty(device=device)
+    full = source.state_dict() if source is not None else {}
+    # (full_state_dict + broadcast_from_rank0: rank 0 sends each tensor, every rank keeps its shard;
+    # torch/distributed/checkpoint/state_dict.py _load_model_state_dict -> _broadcast_state_dict)
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    # Buffers outside the state dict (the rotary embeddings' inv_freq) are computed at init, which
+    # the meta build skipped: rank 0's, which are small, go to every rank as objects.
+    saved = set(model.state_dict())
+    extra = {n: b.cpu() for n, b in source.named_buffers() if n not in saved} if source is not None else None
+    extra = distributed.broadcast_object(extra)
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name not in saved:
+                buffer.copy_(extra[name].to(buffer.device))
+    del full, source
+
+
+def add_lora(cfg, model):
+    """PEFT LoRA on the language model's linear layers; everything else frozen."""
+    from peft import LoraConfig, get_peft_model
+
+    model.config.text_config.use_cache = False  # (transformers 5 reads it from the text config)
+    # PEFT draws LoRA A at random: the same seed gives the same init wherever it is built.
+    torch.manual_seed(cfg.seed)
+    lora = LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+                      target_modules=cfg.lora_targets)
+    return get_peft_model(model, lora)  # freezes everything but LoRA (vision tower included)
 
 
 def wrap_policy(cfg, model):
-    """LoRA and FSDP2 around a loaded Qwen3VLForConditionalGeneration (build_policy's second half;
-    launch/gpu_check.py hands it a randomly initialised one)."""
-    from peft import LoraConfig, get_peft_model
+    """LoRA and FSDP2 around a Qwen3VLForConditionalGeneration (build_policy's meta-built one, or
+    launch/gpu_check.py's randomly initialised one). A model on the meta device stays there (its
+    shards are allocated and filled afterwards, load_from_rank0)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     on_gpu = torch.cuda.is_available()
-    model.config.text_config.use_cache = False  # (transformers 5 reads it from the text config)
-    # PEFT draws LoRA A at random: the same seed on every rank gives every rank the same init.
-    torch.manual_seed(cfg.seed)
-    lora = LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
-                      target_modules=cfg.lora_targets)
-    model = get_peft_model(model, lora)  # freezes everything but LoRA (vision tower included)
+    model = add_lora(cfg, model)
     if on_gpu:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.enable_input_require_grads()
@@ -75,7 +117,8 @@ def wrap_policy(cfg, model):
     # The frozen vision tower is kept whole on every rank, outside FSDP: Batch calls it on its
     # own, before and apart from the model's forward, which FSDP's root unit does not allow. It
     # is small next to the language model (0.6 B of Qwen3-VL-8B's 8.8 B parameters).
-    inner.visual.to(mesh.device_type)
+    if not any(p.is_meta for p in inner.visual.parameters()):
+        inner.visual.to(mesh.device_type)
     fully_shard(model, mesh=mesh, mp_policy=mp, ignored_params=set(inner.visual.parameters()))
     return model
 
@@ -153,16 +196,26 @@ def lora_parameters(model) -> list:
     return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
 
 
+def base_weight_bytes(model, bytes_per_parameter: int = 2) -> int:
+    """What the engine's copy of the frozen base takes on the GPU (bf16: 2 bytes a parameter),
+    counted from the trainer's model (a sharded parameter counts whole)."""
+    return bytes_per_parameter * sum(p.numel() for p in model.parameters() if not p.requires_grad)
+
+
 def make_optimizer(model, lr: float, weight_decay: float = 0.0, lora_plus_ratio: float = 0.0):
     """AdamW over the LoRA weights. With lora_plus_ratio, LoRA+ (Hayou et al. 2024,
     arXiv:2402.12354; PEFT's create_loraplus_optimizer): B at lr * ratio, A at lr. B starts at
     zero and A at random, so a step that is large for B is violent for A; one rate for both
-    makes the adapter learn far slower than full fine-tuning at the same rate."""
+    makes the adapter learn far slower than full fine-tuning at the same rate.
+
+    PEFT's LoRA+ optimizer sets each group's decay from its own `loraplus_weight_decay` (default 0)
+    and would drop a plain `weight_decay` (peft 0.21.2, peft/optimizers/loraplus.py:90-111), so
+    the decay is passed under that name: --weight-decay means the same with LoRA+ on or off."""
     if lora_plus_ratio:
         from peft.optimizers import create_loraplus_optimizer
 
         return create_loraplus_optimizer(model, torch.optim.AdamW, lr=lr, loraplus_lr_ratio=lora_plus_ratio,
-                                         weight_decay=weight_decay)
+                                         loraplus_weight_decay=weight_decay)
     return torch.optim.AdamW([p for _, p in lora_parameters(model)], lr=lr, weight_decay=weight_decay)
 
 
@@ -200,6 +253,7 @@ class Batch:
         self.sequences = sequences
         self.processor = processor
         self.image_token_id = processor.image_token_id
+        self.banned_token_ids = rollout.vision_token_ids(processor)  # what sampling was biased against
         self.pad_id = processor.tokenizer.pad_token_id or 0
         self._keys = {}  # id(image) -> content digest
         self._pixels = {}  # digest -> (pixel_values, grid_thw)
@@ -279,10 +333,14 @@ def takes_encoder_outputs() -> bool:
     return "mm_encoder_outputs" in inspect.signature(Qwen3VLModel.forward).parameters
 
 
-def sequence_logprobs(model, inputs: dict, temperature: float = 1.0) -> torch.Tensor:
-    """Log-probs of each next token under the policy the engine sampled from: pi(. | T)."""
+def sequence_logprobs(model, inputs: dict, temperature: float = 1.0, banned_token_ids=()) -> torch.Tensor:
+    """Log-probs of each next token under the policy the engine sampled from, as the engine reports
+    them: at T = 1 the model's own, at another temperature those of the tempered distribution after
+    the engine's logit bias against `banned_token_ids` (rollout.logprobs_mode)."""
     logits = model(**inputs).logits
-    return grpo.token_logprobs(logits[:, :-1], inputs["input_ids"][:, 1:], temperature)
+    processed = rollout.logprobs_mode(temperature) == "processed_logprobs"
+    bias = rollout.sampling_logit_bias(banned_token_ids) if processed else None
+    return grpo.token_logprobs(logits[:, :-1], inputs["input_ids"][:, 1:], temperature, bias)
 
 
 def pad_rows(rows: list, device) -> torch.Tensor:
@@ -327,6 +385,38 @@ class MismatchMeter:
                 "mismatch_abs_max": distributed.max_over_ranks(self.worst)}
 
 
+class StalePolicyGuard:
+    """Stops the run when the engine is evidently not sampling from the policy being trained.
+
+    The per-step mismatch (mean |log pi_trainer - log pi_engine| over the sampled tokens, reduced
+    over ranks, so every rank decides alike) sits at the stack's own noise when the sync works:
+    ~1e-7 on a CPU in fp32, ~1e-3..1e-2 on a GPU in bf16, which TIS absorbs. A stale adapter in
+    the engine (a reused id, a sync that did not land, an adapter lost after sleep/wake: vLLM
+    issue 53888) shows as a mismatch far above that, step after step; training on such samples is
+    training on another policy's data. After `steps` steps in a row above `bound`, one line and
+    exit. bound 0 picks the stack's: 1e-3 on CPU (about 1,000x its noise; a skipped sync of the
+    tiny model measured ~0.2), 0.1 on GPU (10x the top of bf16's normal range). steps 0: off."""
+
+    DEFAULT_BOUND = {"cpu": 1e-3, "gpu": 0.1}
+
+    def __init__(self, bound: float = 0.0, steps: int = 3, on_gpu: bool = False):
+        self.bound = bound or self.DEFAULT_BOUND["gpu" if on_gpu else "cpu"]
+        self.steps = steps
+        self.above = []  # the mismatches of the current run of steps above the bound
+
+    def check(self, step: int, mismatch: float):
+        self.above = self.above + [mismatch] if mismatch > self.bound else []
+        if self.steps and len(self.above) >= self.steps:
+            raise SystemExit(
+                f"step {step}: the trainer's and the engine's log-probs of the sampled tokens differ by "
+                f"{', '.join(f'{m:.3g}' for m in self.above[-self.steps:])} (mean |difference|) in {self.steps} "
+                f"steps in a row, above the bound {self.bound:g}: the engine is not sampling from the policy "
+                "being trained. Likely causes: the new adapter did not reach the engine (a reused LoRA id or "
+                "path, a failed or skipped sync, an adapter lost in sleep/wake), a temperature or logprob mode "
+                "that differs between engine and trainer, or another base model in the engine. Stopped before "
+                "training on more of them; --mismatch-bound raises the bound, --mismatch-steps 0 turns this off.")
+
+
 @torch.no_grad()
 def fill_old_logprobs(model, batch: Batch, experiences: list, micro_batch_size: int, device, temperature: float,
                       with_ref: bool) -> dict:
@@ -336,11 +426,11 @@ def fill_old_logprobs(model, batch: Batch, experiences: list, micro_batch_size: 
     model.eval()
     for idx in synced_micro_batches(list(range(len(experiences))), micro_batch_size, batch.length):
         inputs, mask, rollout_lp = batch.micro([0] if idx is None else idx, device)
-        lp = sequence_logprobs(model, inputs, temperature)
+        lp = sequence_logprobs(model, inputs, temperature, batch.banned_token_ids)
         ref = None
         if with_ref:
             with model.disable_adapter():  # the reference policy is the base model
-                ref = sequence_logprobs(model, inputs, temperature)
+                ref = sequence_logprobs(model, inputs, temperature, batch.banned_token_ids)
         if idx is None:  # a filler: FSDP needs every rank in every forward
             continue
         for row, i in enumerate(idx):  # unpadded rows: the update may group them differently

@@ -62,13 +62,15 @@ def build_engine(model: str, **kwargs):
 
 def engine_arguments(model: str, *, max_model_len: int, max_lora_rank: int, seed: int,
                      gpu_memory_utilization: float = 0.45, max_images: int = 16, max_image_px: int = 0,
-                     external_launcher: bool = False, on_gpu: bool | None = None, **engine_kwargs) -> dict:
+                     external_launcher: bool = False, on_gpu: bool | None = None, sleep_mode: bool = True,
+                     **engine_kwargs) -> dict:
     """The keyword arguments of `vllm.LLM` for this machine (on_gpu: default, whether CUDA is here).
 
     With `external_launcher` every torchrun rank builds its own engine inside its own process
     (vLLM then joins the process group torchrun created instead of spawning workers).
     `max_image_px` (the largest image's side) lets vLLM size its memory profile for the images
     the mazes really make instead of max_images images of the largest size the processor takes.
+    `sleep_mode` False (--engine-sleep none) leaves vLLM's sleep-mode allocator out on a GPU.
     Any other keyword goes to `vllm.LLM` as is, overriding ours (bench/bench.py tries `enforce_eager`).
     """
     on_gpu = torch.cuda.is_available() if on_gpu is None else on_gpu
@@ -81,9 +83,9 @@ def engine_arguments(model: str, *, max_model_len: int, max_lora_rank: int, seed
                              if max_image_px else max_images, "video": 0},
     )
     if on_gpu:
-        # sleep frees the CUDA graphs' memory too, not only the weights and the KV cache
-        kwargs.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=True,
-                      sleep_mode_offload_cudagraph=True)
+        kwargs.update(gpu_memory_utilization=gpu_memory_utilization)
+        if sleep_mode:  # sleep offloads the CUDA graphs' memory too, not only the weights and the KV cache
+            kwargs.update(enable_sleep_mode=True, sleep_mode_offload_cudagraph=True)
     else:
         # Whole prefills only. A prefill split over two engine steps samples a token after the
         # first part and throws it away, rewinding that request's seeded generator, and a CPU
@@ -99,6 +101,103 @@ def engine_arguments(model: str, *, max_model_len: int, max_lora_rank: int, seed
     if external_launcher:
         kwargs.update(distributed_executor_backend="external_launcher")
     return {**kwargs, **engine_kwargs}
+
+
+# ----------------------------------------------------------------------------- sharing the GPU
+
+ENGINE_SLEEP_MODES = ("auto", "offload", "kv", "none")
+
+
+def choose_engine_sleep(headroom_bytes: float, weights_bytes: float, total_bytes: float) -> tuple[str, str]:
+    """auto's choice, from what the first step measured: "kv" if the GPU memory that stayed free
+    during the trainer's update, with the engine fully asleep, would also hold the engine's
+    weights plus a reserve (5% of the GPU, at least 2 GiB: the CUDA graphs, LoRA buffers and
+    workspace that stay with them); else "offload". Returns (mode, the reason in words)."""
+    gib = 2**30
+    reserve = max(0.05 * total_bytes, 2 * gib)
+    fits = headroom_bytes >= weights_bytes + reserve
+    return ("kv" if fits else "offload",
+            f"--engine-sleep auto: {headroom_bytes / gib:.1f} GiB stayed free during the update with the engine "
+            f"offloaded; its weights need {weights_bytes / gib:.1f} GiB + a {reserve / gib:.1f} GiB reserve: "
+            + ("they fit, so from now on the engine keeps its weights on the GPU and drops only its KV cache (kv)"
+               if fits else "they do not fit, so the engine keeps offloading its weights to host RAM (offload)"))
+
+
+class CudaMemory:
+    """The few device-memory readings EngineSleep's auto mode takes (a stand-in replaces it in tests)."""
+
+    @staticmethod
+    def free() -> int:
+        return torch.cuda.mem_get_info()[0]
+
+    @staticmethod
+    def total() -> int:
+        return torch.cuda.mem_get_info()[1]
+
+    @staticmethod
+    def start_peak() -> int:
+        torch.cuda.reset_peak_memory_stats()
+        return torch.cuda.memory_reserved()
+
+    @staticmethod
+    def peak() -> int:
+        return torch.cuda.max_memory_reserved()
+
+
+class EngineSleep:
+    """How the engine gives the GPU to the trainer between rollouts (--engine-sleep), on vLLM 0.33:
+
+      offload  sleep(level=1): the weights (and CUDA graphs, LoRA buffers) are copied to pinned host
+               RAM, the KV cache is dropped; wake_up() copies them back. Frees the most memory; costs
+               a copy of the whole base model each way every step and that much pinned host RAM per
+               rank (~17 GB for Qwen3-VL-8B in bf16). The safe default.
+      kv       sleep(level=0) pauses the scheduler, release_kv_cache_memory() discards the KV cache's
+               memory without a copy; wake_up() maps it again. The weights stay on the GPU: no copy,
+               no host RAM, but the trainer gets the GPU minus the engine's weights.
+      none     the engine keeps everything (its gpu_memory_utilization share) while the trainer
+               runs beside it; vLLM's sleep-mode allocator is not even set up.
+      auto     offload on the first step, where it measures what stayed free during the update,
+               then kv if the weights fit there (choose_engine_sleep); it says what it chose.
+
+    Level 2 (weights discarded, reloaded from disk on wake) is not offered: the base never
+    changes in a LoRA run, so a reload every step would only add disk reads, and level 2 with
+    LoRA has an open crash report (vLLM issue 39934; and NeMo-RL issue 2631 saw level 2 corrupt a
+    vision-language model's rollouts). On a CPU vLLM has no sleep mode: "none".
+
+    The engine is passed to each call, not kept: train.py's shutdown frees it by dropping its one
+    reference (`del engine`) before the process group goes.
+    """
+
+    def __init__(self, mode: str, on_gpu: bool, weights_bytes: float = 0.0, log=print,
+                 memory=CudaMemory, worst_over_ranks=None):
+        if mode not in ENGINE_SLEEP_MODES:
+            raise ValueError(f"engine sleep mode must be one of {ENGINE_SLEEP_MODES}, not {mode!r}")
+        self.mode = mode if on_gpu else "none"
+        self.weights_bytes, self.log, self.memory = weights_bytes, log, memory
+        self.worst_over_ranks = worst_over_ranks or (lambda x: x)  # every rank must choose alike
+        self.asleep, self._measure = False, None
+
+    def sleep(self, engine):
+        mode = "offload" if self.mode == "auto" else self.mode
+        if mode == "offload":
+            engine.sleep(level=1)
+        elif mode == "kv":
+            engine.sleep(level=0)  # pause: release_kv_cache_memory needs an idle engine
+            engine.release_kv_cache_memory()
+        self.asleep = mode != "none"
+        if self.mode == "auto":
+            self._measure = (self.memory.free(), self.memory.start_peak())
+
+    def wake(self, engine):
+        if self.mode == "auto" and self._measure is not None:
+            free_after_sleep, reserved_at_start = self._measure
+            headroom = free_after_sleep - (self.memory.peak() - reserved_at_start)
+            self.mode, reason = choose_engine_sleep(-self.worst_over_ranks(-headroom), self.weights_bytes,
+                                                    self.memory.total())
+            self.log(reason)
+        if self.asleep:
+            engine.wake_up()  # all tags: weights (if offloaded), KV cache, and the scheduler resumes
+            self.asleep = False
 
 
 class OncePerCallSite(logging.Filter):
@@ -124,6 +223,32 @@ class OncePerCallSite(logging.Filter):
 ONCE_PER_CALL_SITE = OncePerCallSite()
 
 
+def vision_token_ids(processor) -> list[int]:
+    """Vision placeholders must never appear in a reply: the trainer's forward pass would take a
+    generated <|image_pad|> for an image slot. Sampling gives them a logit bias of
+    VISION_TOKEN_BIAS (sampling_logit_bias)."""
+    return [t for t in (getattr(processor, name, None) for name in (
+        "image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")) if isinstance(t, int)]
+
+
+VISION_TOKEN_BIAS = -100.0
+
+
+def sampling_logit_bias(banned_token_ids) -> dict[int, float]:
+    """The logit bias of every sampled request ({} for none)."""
+    return {t: VISION_TOKEN_BIAS for t in banned_token_ids}
+
+
+def logprobs_mode(temperature: float) -> str:
+    """What the engine reports for each sampled token. At T = 1, vLLM's default "raw_logprobs":
+    the model's own log-probs, before the logit bias. At any other temperature, those of the
+    distribution it sampled from, "processed_logprobs": after the logit bias and the temperature
+    (vLLM 0.33: vllm/v1/sample/sampler.py and, under Model Runner V2, vllm/v1/worker/gpu/sample/
+    sampler.py). The trainer's log-probs follow the same rule (policy.sequence_logprobs), so both
+    sides always describe the same policy."""
+    return "raw_logprobs" if temperature == 1.0 else "processed_logprobs"
+
+
 class ChatFormat:
     """Turns maze observations into prompt token ids with the model's own chat template.
 
@@ -139,12 +264,7 @@ class ChatFormat:
         self.eos_token_ids = set(eos_token_ids)
         self.end_of_reply_id = next(iter(eos_token_ids), None)  # what a demonstrated reply ends with (SFT)
         self.image_token_id = processor.image_token_id
-        # Vision placeholders must never appear in a reply: the trainer's forward pass would take
-        # a generated <|image_pad|> for an image slot. Sampling gets a -100 logit bias on them
-        # (the logprobs vLLM reports are computed before the bias, like the trainer's).
-        self.banned_token_ids = [t for t in (getattr(processor, name, None) for name in (
-            "image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id"))
-            if isinstance(t, int)]
+        self.banned_token_ids = vision_token_ids(processor)
         self._image_tokens = {}  # image size -> number of tokens the image expands to
         self._next_turn = {}  # (observation text, with image, end token of the reply or None) -> ids
 
@@ -312,7 +432,7 @@ def play_episodes(engine, chat: ChatFormat, mazes: list, group_ids: list, *, sam
             episodes.append(episode)
             games.append(game)
 
-    no_vision_tokens = {t: -100.0 for t in chat.banned_token_ids}
+    no_vision_tokens = sampling_logit_bias(chat.banned_token_ids)
 
     def sampling_params(episode: Episode, turn: int):
         # detokenize=False: the engine returns token ids only; we decode each reply once, below
@@ -421,7 +541,7 @@ def engine_replies(engine, lora_request, max_new_tokens: int, banned_token_ids=(
     from vllm import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens,
-                            logit_bias={t: -100.0 for t in banned_token_ids} or None)
+                            logit_bias=sampling_logit_bias(banned_token_ids) or None)
 
     def reply_fn(conversations: list) -> list:
         outputs = engine.chat(conversations, params, lora_request=lora_request, use_tqdm=False)

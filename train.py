@@ -15,8 +15,9 @@ and a whole in-process vLLM engine (rollout.py). One step:
                      under a new id, and the next step's logprob mismatch proves it did
     5. eval / checkpoint / export on their intervals, one metrics line per step
 
-On a GPU the engine sleeps (level 1: weights to CPU RAM, KV cache dropped) while the trainer
-updates, and wakes up for the next rollouts; on a CPU sleep does not exist and both stay put.
+On a GPU the engine sleeps while the trainer updates (--engine-sleep: by default its weights go
+to host RAM and its KV cache is dropped; rollout.EngineSleep has the other choices) and wakes up
+for the next rollouts; on a CPU sleep does not exist and both stay put.
 
 What of GRPO this keeps (DeepSeekMath Sec. 4): group-relative advantages with the std division
 (--scale-adv-by-std false gives Dr. GRPO), the clipped ratio, token-mean loss, an optional k3 KL
@@ -102,6 +103,13 @@ class Config:
     shard_group_size: int = 0  # processes that shard one copy of the policy; 0: one node (HSDP)
     # engine
     gpu_memory_utilization: float = 0.45
+    # how the engine frees the GPU for the update: offload (weights to host RAM) | kv (drop only the
+    # KV cache) | none | auto (decides after the first step; rollout.EngineSleep). CPU: always none
+    engine_sleep: str = "offload"
+    # stop when the trainer-vs-engine logprob mismatch stays above this bound for mismatch_steps
+    # steps in a row (a stale adapter in the engine); 0: the stack's own (policy.StalePolicyGuard)
+    mismatch_bound: float = 0.0
+    mismatch_steps: int = 3  # 0: never stop
     # evaluation, checkpoints, exports
     eval_interval: int = 10
     eval_mazes: int = 64
@@ -146,6 +154,10 @@ class Config:
                      "ckpt_interval", "export_interval", "keep_checkpoints", "keep_syncs"):
             if getattr(self, name) < 1:
                 problems.append(f"{name} must be >= 1")
+        if self.engine_sleep not in rollout.ENGINE_SLEEP_MODES:
+            problems.append(f"engine_sleep must be one of {list(rollout.ENGINE_SLEEP_MODES)}")
+        if self.mismatch_bound < 0 or self.mismatch_steps < 0:
+            problems.append("mismatch_bound and mismatch_steps must be >= 0")
         if self.train_max_turns < 0:
             problems.append("train_max_turns must be >= 0 (0: max_turns)")
         if problems:
@@ -245,7 +257,7 @@ def grpo_update(cfg, model, optimizer, scheduler, batch: policy.Batch, experienc
         for idx in policy.synced_micro_batches(in_mini, cfg.micro_batch_size, batch.length):
             rows = [0] if idx is None else idx  # a filler runs any one sequence, with weight 0
             inputs, mask, rollout_lp = batch.micro(rows, device)
-            lp = policy.sequence_logprobs(model, inputs, cfg.temperature)
+            lp = policy.sequence_logprobs(model, inputs, cfg.temperature, batch.banned_token_ids)
             xs = [experiences[i] for i in rows]
             old_lp = lp.detach() if xs[0].old_logprobs is None else policy.pad_rows([x.old_logprobs for x in xs], device)
             loss, m = grpo.policy_loss(
@@ -362,14 +374,18 @@ def main(cfg: Config):
     engine = rollout.build_engine(model_path, max_model_len=cfg.max_model_len, max_lora_rank=cfg.lora_rank,
                                   seed=cfg.seed + rank, gpu_memory_utilization=cfg.gpu_memory_utilization,
                                   max_images=max(cfg.max_turns, cfg.train_max_turns) + 1, external_launcher=True,
+                                  sleep_mode=cfg.engine_sleep != "none",
                                   max_image_px=env.DIFFICULTY_SIZES[cfg.difficulty]
                                   * env.cell_px_of(cfg.env_style, cfg.cell_px),
-                                  # vLLM reports the raw model's log-probs by default; at another
-                                  # temperature, those of the tempered distribution it sampled from
-                                  **({"logprobs_mode": "processed_logprobs"} if cfg.temperature != 1.0 else {}))
+                                  # at T = 1 the raw model's log-probs (vLLM's default); at another
+                                  # temperature, those of the distribution it sampled from
+                                  logprobs_mode=rollout.logprobs_mode(cfg.temperature))
     log0(f"vLLM engine ready in {time.time() - t:.1f}s" + ("" if on_gpu else
          "; CPU: vLLM has no sleep mode here, so the engine and the trainer both stay resident"))
 
+    sleeper = rollout.EngineSleep(cfg.engine_sleep, on_gpu, weights_bytes=policy.base_weight_bytes(model), log=log0,
+                                  worst_over_ranks=distributed.max_over_ranks)
+    guard = policy.StalePolicyGuard(cfg.mismatch_bound, cfg.mismatch_steps, on_gpu)
     lora_request, lora_state, _ = policy.sync_adapter(model, engine, shared, start_step, cfg.keep_syncs, base)
     if (start_step == 0 or start_step % cfg.eval_interval == 0) and not (out / "eval" / f"step_{start_step}.json").exists():
         result = evaluate(cfg, engine, chat, lora_request, start_step, out)
@@ -392,10 +408,7 @@ def main(cfg: Config):
             max_new_tokens=cfg.max_new_tokens, max_model_len=cfg.max_model_len, temperature=cfg.temperature,
             seed=cfg.seed, lora_request=lora_request, cell_px=cfg.cell_px, style=cfg.env_style,
             max_images=cfg.max_images or None, desc=f"rollout@{step + 1}", progress=cfg.progress and rank == 0)
-        if on_gpu:
-            # Time-slicing: the engine gives the GPU to the trainer. Level 1 moves the weights to
-            # CPU RAM and drops the KV cache; level 2 would discard the base weights we still need.
-            engine.sleep(level=1)
+        sleeper.sleep(engine)  # time-slicing: the engine gives the GPU to the trainer (--engine-sleep)
         timing["rollout_s"] = time.time() - t0
         metrics.update(rollout.rollout_metrics(episodes))
 
@@ -426,7 +439,7 @@ def main(cfg: Config):
         if on_gpu:
             optimizer.zero_grad(set_to_none=True)  # the gradients are spent: free them for the engine
             torch.cuda.empty_cache()  # and the trainer's cached blocks (vLLM's wake_up does it too)
-            engine.wake_up()
+        sleeper.wake(engine)
         lora_request, lora_state, sync_stats = policy.sync_adapter(model, engine, shared, step + 1, cfg.keep_syncs, base)
         timing["sync_s"], metrics["sync_bytes"] = sync_stats["sync_s"], sync_stats["sync_bytes"]
 
@@ -468,6 +481,7 @@ def main(cfg: Config):
             writer.flush()
             bar.set_postfix(reward=f"{metrics['reward_mean']:.2f}", mismatch=f"{metrics['mismatch_abs_mean']:.1e}",
                             step_s=f"{timing['step_s']:.1f}")
+        guard.check(done, metrics["mismatch_abs_mean"])  # the same reduced figure on every rank
 
     bar.close()
     if rank == 0:

@@ -4,7 +4,9 @@
     python launch/gpu_check.py --dry-run     # anywhere: the small shape on the CPU (tests run this)
 
 Made for a bare one-GPU machine that has torch, transformers, peft, safetensors and tensorboard
-but no vLLM and no hub access: the model is a randomly initialised Qwen3VLForConditionalGeneration
+but no vLLM and no hub access. First it checks, from package metadata alone, every requirement
+that the pinned transformers and peft declare (and transformers checks at import): anything
+missing or too old is listed in the JSON report and nothing else runs. Then: the model is a randomly initialised Qwen3VLForConditionalGeneration
 built from a config (nothing downloaded), the tokenizer is replaced by token ids drawn at random,
 the images are real maze renders. What runs is the project's own code, in train.py's order:
 
@@ -54,6 +56,41 @@ SMALL_VISION = dict(depth=2, hidden_size=128, intermediate_size=256, num_heads=2
                     deepstack_visual_indexes=[1], hidden_act="gelu_pytorch_tanh")
 IDS = dict(image_token_id=6, video_token_id=7, vision_start_token_id=3, vision_end_token_id=4)
 RESULTS = []
+# What this check imports, and whose declared requirements must hold on the machine: transformers
+# checks some of them when it is imported (transformers/dependency_versions_check.py), and a miss
+# there (the device image's regex may be older than 5.19's regex>=2025.10.22) would end the run
+# before any report is written.
+CHECKED_DISTRIBUTIONS = ("torch", "transformers", "peft", "safetensors", "tensorboard")
+
+
+def requirements(extra: list[str]) -> list[dict]:
+    """Every distribution this check needs and every requirement they declare (extras left out),
+    each with the version installed here and whether it satisfies the requirement. Reads package
+    metadata only: nothing is imported, so it works where an import would fail."""
+    from importlib.metadata import PackageNotFoundError, requires, version
+
+    from packaging.requirements import Requirement
+
+    def have(name: str):
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return None
+
+    rows, seen = [], set()
+    wanted = [(None, Requirement(name)) for name in CHECKED_DISTRIBUTIONS] + [(None, Requirement(r)) for r in extra]
+    for dist in ("transformers", "peft"):
+        if have(dist):
+            wanted += [(dist, Requirement(r)) for r in requires(dist) or []]
+    for by, req in wanted:
+        if (req.marker and not req.marker.evaluate({"extra": ""})) or (req.name, str(req.specifier)) in seen:
+            continue
+        seen.add((req.name, str(req.specifier)))
+        installed = have(req.name)
+        ok = installed is not None and req.specifier.contains(installed, prereleases=True)
+        rows.append({"name": req.name, "need": str(req.specifier) or "any", "by": by or "gpu_check",
+                     "have": installed, "ok": ok})
+    return rows
 
 
 def check(name: str, fn):
@@ -266,25 +303,36 @@ def main():
     parser.add_argument("--shapes", default="small,8b", help="comma-separated: small, 8b")
     parser.add_argument("--no-bench", action="store_true", help="skip bench/gpu_mfu.py")
     parser.add_argument("--out", default=str(ROOT / "docs" / "results" / "gpu_check.json"))
+    parser.add_argument("--require", action="append", default=[], metavar="SPEC",
+                        help="one more requirement to check first, e.g. 'regex>=2025.10.22' (repeatable)")
     args = parser.parse_args()
-
-    import distributed
-    import shapes
 
     on_gpu = torch.cuda.is_available()
     if not on_gpu and not args.dry_run:
         raise SystemExit("no GPU here: run with --dry-run for the small shape on the CPU")
+    report = {"date": datetime.datetime.now().isoformat(timespec="minutes"), "command": " ".join(sys.argv),
+              "gpu": on_gpu, "dry_run": args.dry_run, "versions": {"python": platform.python_version()},
+              "requirements": requirements(args.require), "shapes": {}}
+    missing = [f"{r['name']} {r['need']} (have {r['have'] or 'none'}, for {r['by']})"
+               for r in report["requirements"] if not r["ok"]]
+    if missing:  # before any import that would die of it: the report says what to carry
+        report.update(missing=missing, checks=[], passed=0, total=0)
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(report, indent=1))
+        raise SystemExit(f"missing or too old: {'; '.join(missing)}. Nothing was run; carry wheels for them "
+                         f"(launch/gpu_check.sh --fetch-wheels). Report in {args.out}")
+
+    import distributed
+    import shapes
+
     rank, world, local_rank = distributed.init_distributed()
     device = torch.device("cuda", local_rank) if on_gpu else torch.device("cpu")
     import peft
     import transformers
 
-    report = {"date": datetime.datetime.now().isoformat(timespec="minutes"), "command": " ".join(sys.argv),
-              "device": torch.cuda.get_device_name(device) if on_gpu else f"CPU ({platform.processor() or '?'})",
-              "gpu": on_gpu, "dry_run": args.dry_run, "world_size": world,
-              "versions": {"python": platform.python_version(), "torch": torch.__version__,
-                           "transformers": transformers.__version__, "peft": peft.__version__},
-              "shapes": {}}
+    report.update(device=torch.cuda.get_device_name(device) if on_gpu else f"CPU ({platform.processor() or '?'})",
+                  world_size=world)
+    report["versions"].update(torch=torch.__version__, transformers=transformers.__version__, peft=peft.__version__)
     start = time.time()
     check("process group and the trainer's collectives", lambda: collectives(device))
     wanted = ["small"] if args.dry_run else args.shapes.split(",")

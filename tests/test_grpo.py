@@ -328,6 +328,24 @@ def test_token_logprobs_matches_log_softmax():
     assert lg.grad is not None and lg.grad.shape == lg.shape
 
 
+def test_token_logprobs_with_the_engines_logit_bias():
+    """The bias is added to the logits before the temperature divides them (vLLM's order); the
+    logits themselves are left alone, and no bias is the plain computation, bit for bit."""
+    torch.manual_seed(4)
+    logits = torch.randn(2, 4, 9)
+    ids = torch.randint(0, 9, (2, 5))
+    kept = logits.clone()
+    biased = token_logprobs(logits, ids[:, 1:], temperature=0.5, logit_bias={2: -100.0, 7: -3.0})
+    shifted = logits.clone()
+    shifted[..., 2] -= 100.0
+    shifted[..., 7] -= 3.0
+    ref = torch.log_softmax(shifted / 0.5, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    torch.testing.assert_close(biased, ref)
+    assert torch.equal(logits, kept)
+    assert not torch.allclose(biased, token_logprobs(logits, ids[:, 1:], temperature=0.5))
+    assert torch.equal(token_logprobs(logits, ids[:, 1:], 0.5, {}), token_logprobs(logits, ids[:, 1:], 0.5))
+
+
 def test_logprob_mismatch_hand_example():
     trainer = torch.tensor([[-1.0, -2.0, -0.5, 9.0]])
     rollout = torch.tensor([[-1.1, -2.0, -0.2, float("nan")]])

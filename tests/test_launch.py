@@ -394,6 +394,8 @@ def test_gpu_check_runs_the_trainer_path_in_its_dry_run(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((out / "gpu_check.json").read_text())
     assert report["dry_run"] and not report["gpu"] and report["passed"] == report["total"] == 5
+    assert report["requirements"] and all(r["ok"] for r in report["requirements"])
+    assert {"transformers", "peft", "regex", "tokenizers", "huggingface-hub"} <= {r["name"] for r in report["requirements"]}
     assert [c["check"].split(":")[0] for c in report["checks"]][1:] == ["small"] * 4
     update = next(c for c in report["checks"] if "grpo_update" in c["check"])
     assert "LoRA moved" in update["detail"] and report["shapes"]["small"]["grad_norm"] > 0
@@ -411,3 +413,17 @@ def test_report_names_the_sampled_evaluations_own_temperature(tmp_path):
     assert "sampled solve rate (temperature 1.0, held-out mazes): 0.300 before GRPO, 0.400 after" in proc.stdout
     [rec] = json.loads(results.read_text())
     assert (rec["sampled_temperature"], rec["train_temperature"], rec["sampled_after"]) == (1.0, 0.5, 0.4)
+
+
+def test_gpu_check_names_what_is_missing_before_it_runs_anything(tmp_path):
+    """A machine that lacks a requirement (or has one too old) gets a report naming it and one line,
+    not a traceback from the first import that trips over it."""
+    out = tmp_path / "gpu_check.json"
+    proc = subprocess.run([sys.executable, "launch/gpu_check.py", "--dry-run", "--out", str(out),
+                           "--require", "no-such-package>=1", "--require", "numpy<1"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert "missing or too old: no-such-package >=1 (have none" in proc.stderr and "numpy <1 (have" in proc.stderr
+    report = json.loads(out.read_text())
+    assert report["checks"] == [] and len(report["missing"]) == 2
+    assert {r["name"] for r in report["requirements"] if not r["ok"]} == {"no-such-package", "numpy"}

@@ -95,8 +95,12 @@ def test_precomputed_image_features_and_no_padding_mask_change_nothing(tiny_mode
 
 # ----------------------------------------------------------------------------- the sync proof
 
+TEMPERATURE = 0.5  # the main job's: the engine reports the log-probs of what it sampled from, after its logit bias
+
+
 def _sync_check(shared: str, model_dir: str, results):
-    """Update the policy, then compare what the engine samples with what the trainer computes."""
+    """Update the policy, then compare what the engine samples with what the trainer computes, at
+    the main job's temperature."""
     import checkpoint
     import distributed
     import grpo
@@ -106,31 +110,36 @@ def _sync_check(shared: str, model_dir: str, results):
     cfg = train.Config(lora_rank=8, lora_alpha=16)
     model = policy.build_policy(cfg, model_dir)
     base = checkpoint.base_model_record(model_dir)
-    engine = rollout.build_engine(model_dir, max_model_len=4096, max_lora_rank=8, seed=0, external_launcher=True)
+    engine = rollout.build_engine(model_dir, max_model_len=4096, max_lora_rank=8, seed=0, external_launcher=True,
+                                  logprobs_mode=rollout.logprobs_mode(TEMPERATURE))
     chat = rollout.ChatFormat.for_model(model_dir)
     mazes = [env.generate_maze(7, seed=s) for s in (5, 6)]
 
     def play(request, group_offset):
         return rollout.play_episodes(engine, chat, mazes, [group_offset, group_offset + 1], samples_per_maze=2,
-                                     max_turns=3, max_new_tokens=6, max_model_len=4096, temperature=1.0,
+                                     max_turns=3, max_new_tokens=6, max_model_len=4096, temperature=TEMPERATURE,
                                      seed=0, lora_request=request, progress=False)
 
-    def trainer_mismatch(episodes):
+    def trainer_mismatch(episodes, with_engine_bias=True):
         batch = policy.Batch([e.sequences[0] for e in episodes], chat.processor, model)
         with torch.no_grad():
             inputs, mask, rollout_lp = batch.micro(list(range(len(episodes))), torch.device("cpu"))
-            return grpo.logprob_mismatch(policy.sequence_logprobs(model, inputs), rollout_lp, mask)["mismatch_abs_mean"]
+            lp = policy.sequence_logprobs(model, inputs, TEMPERATURE, batch.banned_token_ids if with_engine_bias else ())
+            return grpo.logprob_mismatch(lp, rollout_lp, mask)["mismatch_abs_mean"]
 
     out = {}
     request0, _, _ = policy.sync_adapter(model, engine, Path(shared), 0, 5, base)
     episodes = play(request0, 0)
     out["before_update"] = trainer_mismatch(episodes)
+    # the tiny model puts some mass on the vision tokens: without the engine's bias the trainer's
+    # tempered policy is not the one the engine sampled from
+    out["before_update_without_bias"] = trainer_mismatch(episodes, with_engine_bias=False)
 
     # one real optimizer step with a big learning rate and made-up advantages
     optimizer = torch.optim.AdamW([p for _, p in policy.lora_parameters(model)], lr=5e-2)
     batch = policy.Batch([e.sequences[0] for e in episodes], chat.processor, model)
     inputs, mask, rollout_lp = batch.micro(list(range(len(episodes))), torch.device("cpu"))
-    loss, _ = grpo.policy_loss(policy.sequence_logprobs(model, inputs), rollout_lp,
+    loss, _ = grpo.policy_loss(policy.sequence_logprobs(model, inputs, TEMPERATURE, batch.banned_token_ids), rollout_lp,
                                torch.tensor([1.0, -1.0] * (len(episodes) // 2)), mask)
     loss.backward()
     optimizer.step()
@@ -157,7 +166,8 @@ def _sync_check(shared: str, model_dir: str, results):
 def test_engine_runs_the_current_policy_after_every_sync(tmp_path, tiny_model):
     out = in_fresh_process(_sync_check, str(tmp_path), str(tiny_model), timeout=600)
     print("sync check:", out)
-    assert out["before_update"] < 1e-3
+    assert out["before_update"] < 1e-5  # T = 0.5: the trainer applies the engine's logit bias too
+    assert out["before_update_without_bias"] > 100 * out["before_update"]  # which is needed: vLLM's are after it
     assert out["old_samples_after_update"] > 1e-2  # the update changed the policy
     assert out["after_sync"] < 1e-3  # ... and after the sync vLLM samples from the new one
     assert out["reused_id"] > 1e-2  # re-using an id would have kept the stale adapter
@@ -235,7 +245,9 @@ def test_single_pass_update_that_skips_zero_advantages_has_the_full_gradient(tin
 def test_two_ranks_match_one_rank(tmp_path, tiny_model):
     """One GRPO update on a fixed batch of 8 episodes: split over two ranks (each holding half of
     every group, so the advantages need the other rank's rewards) it gives the same gradient as
-    one rank holding all 8. Loss normalisation, advantage gathering and FSDP's averaging together."""
+    one rank holding all 8. Loss normalisation, advantage gathering and FSDP's averaging together;
+    and the model build: only rank 0 reads the checkpoint, rank 1 gets its shard (and the LoRA
+    init) from rank 0, and the gradients still agree."""
     worker = ROOT / "tests" / "update_worker.py"
     one, two = tmp_path / "one.pt", tmp_path / "two.pt"
     runs = [[sys.executable, str(worker), str(tiny_model), str(one)],
@@ -247,6 +259,7 @@ def test_two_ranks_match_one_rank(tmp_path, tiny_model):
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     a, b = torch.load(one), torch.load(two)
     assert a["sequences"] == b["sequences"] == 8 and a["world"] == 1 and b["world"] == 2
+    assert a["checkpoint_reads"] == [1] and b["checkpoint_reads"] == [1, 0]  # rank 0 reads, rank 1 receives
     assert a["advantages"] == pytest.approx(b["advantages"])
     norm = sum(g.norm() ** 2 for g in a["grads"].values()).sqrt().item()
     assert norm > 1e-5  # a real gradient
@@ -272,3 +285,25 @@ def test_model_mistakes_are_one_clear_line(tmp_path, monkeypatch):
     for model, message in cases:
         with pytest.raises(SystemExit, match=message.replace("(", r"\(").replace(")", r"\)")):
             policy.resolve_model(model, collective=False)
+
+
+# ----------------------------------------------------------------------------- the optimizer
+
+def test_weight_decay_applies_with_lora_plus_too():
+    """--weight-decay reaches every LoRA group, with LoRA+ on as with it off (PEFT's LoRA+ optimizer
+    reads its own `loraplus_weight_decay` and would leave a plain `weight_decay` unused)."""
+    from peft import LoraConfig, get_peft_model
+
+    class Two(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q_proj, self.v_proj = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+    model = get_peft_model(Two(), LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))
+    for ratio in (0.0, 16.0):
+        optimizer = policy.make_optimizer(model, lr=1e-3, weight_decay=0.1, lora_plus_ratio=ratio)
+        groups = [g for g in optimizer.param_groups if g["params"]]
+        assert sum(len(g["params"]) for g in groups) == 4  # A and B of both targets
+        assert all(g["weight_decay"] == 0.1 for g in groups), [(len(g["params"]), g["weight_decay"]) for g in groups]
+        if ratio:
+            assert sorted(g["lr"] for g in groups) == [1e-3, 1e-3 * ratio]  # LoRA+ itself still on

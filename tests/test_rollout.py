@@ -2,6 +2,7 @@
 
 import math
 
+import pytest
 import torch
 from transformers import AutoProcessor, GenerationConfig, Qwen3VLForConditionalGeneration
 
@@ -71,7 +72,7 @@ def _first_reply_logprob(model, processor, chat, episode, temperature: float) ->
     inputs, mask, _ = policy.Batch(episode.sequences, processor).micro([0], torch.device("cpu"))
     with torch.no_grad():
         logits = model(**inputs).logits[0, :-1].float()
-    logits[:, list(chat.banned_token_ids)] -= 100.0
+    logits[:, list(chat.banned_token_ids)] += rollout.VISION_TOKEN_BIAS
     logprobs = torch.log_softmax(logits / temperature, dim=-1)
     targets = inputs["input_ids"][0, 1:]
     first = mask[0].nonzero().flatten()[:len(episode.reply_ids[0])]
@@ -216,3 +217,118 @@ def test_a_warning_is_said_once_per_line_of_code():
     for _ in range(2):
         log.info("progress")  # below WARNING: every one
     assert [r.getMessage() for r in records] == ["the same line, again", "another line", "progress", "progress"]
+
+
+# ----------------------------------------------------------------------------- sharing the GPU
+
+class RecordingEngine:
+    """Stands in for vllm.LLM: records the sleep-mode calls the trainer makes."""
+
+    def __init__(self):
+        self.calls = []
+
+    def sleep(self, level):
+        self.calls.append(f"sleep({level})")
+
+    def release_kv_cache_memory(self):
+        self.calls.append("release_kv_cache_memory")
+
+    def wake_up(self, tags=None):
+        self.calls.append("wake_up")
+
+
+class FakeMemory:
+    """Device memory readings of a made-up GPU: `free` after the engine's sleep, `extra` the
+    trainer's update adds at its peak."""
+
+    def __init__(self, free, extra, total=100 * 2**30):
+        self.free_bytes, self.extra, self.total_bytes = free, extra, total
+
+    def free(self):
+        return self.free_bytes
+
+    def total(self):
+        return self.total_bytes
+
+    def start_peak(self):
+        return 10 * 2**30
+
+    def peak(self):
+        return 10 * 2**30 + self.extra
+
+
+def test_each_engine_sleep_mode_makes_the_vllm_calls_it_documents():
+    gib = 2**30
+    expected = {"offload": ["sleep(1)", "wake_up"], "kv": ["sleep(0)", "release_kv_cache_memory", "wake_up"],
+                "none": []}
+    for mode, calls in expected.items():
+        engine = RecordingEngine()
+        sleeper = rollout.EngineSleep(mode, on_gpu=True)
+        sleeper.sleep(engine), sleeper.wake(engine)
+        assert engine.calls == calls, mode
+    engine = RecordingEngine()  # on a CPU vLLM has no sleep mode: whatever was asked, nothing is called
+    sleeper = rollout.EngineSleep("offload", on_gpu=False)
+    sleeper.sleep(engine), sleeper.wake(engine)
+    assert engine.calls == []
+    # auto: offload first; then kv where the weights fit in what stayed free during the update
+    for free, choice in ((60 * gib, "kv"), (25 * gib, "offload")):
+        engine, said = RecordingEngine(), []
+        sleeper = rollout.EngineSleep("auto", on_gpu=True, weights_bytes=16 * gib, log=said.append,
+                                      memory=FakeMemory(free=free, extra=30 * gib))
+        for _ in range(2):
+            sleeper.sleep(engine), sleeper.wake(engine)
+        assert sleeper.mode == choice and len(said) == 1 and f"({choice})" in said[0], said
+        assert engine.calls[:2] == ["sleep(1)", "wake_up"]
+        assert engine.calls[2:] == expected[choice]
+    # the arithmetic: 100 GiB GPU, reserve 5 GiB; 30 GiB left free, weights 25 GiB fit, 26 not
+    assert rollout.choose_engine_sleep(30 * gib, 25 * gib, 100 * gib)[0] == "kv"
+    assert rollout.choose_engine_sleep(30 * gib, 26 * gib, 100 * gib)[0] == "offload"
+    with pytest.raises(ValueError, match="engine sleep mode"):
+        rollout.EngineSleep("level2", on_gpu=True)
+    import train
+
+    with pytest.raises(SystemExit, match="engine_sleep must be one of.*\n.*mismatch_bound and mismatch_steps"):
+        train.Config(engine_sleep="level2", mismatch_steps=-1).validate(1)
+    # none leaves vLLM's sleep-mode allocator out; the others ask for it
+    args = rollout.engine_arguments("m", max_model_len=64, max_lora_rank=8, seed=0, on_gpu=True, sleep_mode=False)
+    assert "enable_sleep_mode" not in args
+    assert rollout.engine_arguments("m", max_model_len=64, max_lora_rank=8, seed=0, on_gpu=True)["enable_sleep_mode"]
+
+
+def test_a_stale_adapter_stops_the_run_with_one_line(engine, warm_start):
+    """The engine samples from the warm start while the trainer holds a LoRA that moved (a sync that
+    never reached the engine): the mismatch the trainer logs is far above the CPU stack's noise and
+    the guard stops at the third such step. With the engine on the trainer's own policy it is quiet."""
+    from peft import LoraConfig, get_peft_model
+
+    processor, chat = _chat(warm_start)
+    base = Qwen3VLForConditionalGeneration.from_pretrained(warm_start, dtype=torch.float32)
+    episodes = _play(engine, chat)
+    sequences = [s for e in episodes for s in e.sequences]
+    inputs, mask, rollout_lp = policy.Batch(sequences, processor).micro(list(range(len(sequences))), torch.device("cpu"))
+
+    def mismatch(model):
+        with torch.no_grad():
+            return grpo.logprob_mismatch(policy.sequence_logprobs(model, inputs), rollout_lp, mask)["mismatch_abs_mean"]
+
+    in_sync = mismatch(base)
+    guard = policy.StalePolicyGuard(steps=3)
+    for step in range(1, 6):
+        guard.check(step, in_sync)  # the stack's own noise: never stops
+    torch.manual_seed(0)
+    trained = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules=rollout.LORA_TARGET_REGEX))
+    with torch.no_grad():
+        for name, p in trained.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)  # the trainer's policy moved; the engine never heard of it
+    stale = mismatch(trained)
+    print(f"mismatch in sync {in_sync:.2e}, with a stale adapter {stale:.3g}")
+    guard.check(1, stale), guard.check(2, stale)
+    with pytest.raises(SystemExit) as stop:
+        guard.check(3, stale)
+    message = str(stop.value)
+    assert "\n" not in message and "step 3" in message and "not sampling from the policy being trained" in message
+    assert "adapter" in message and "--mismatch-bound" in message
+    guard = policy.StalePolicyGuard(steps=3)  # a single bad step between good ones does not stop it
+    for step, m in enumerate([stale, stale, in_sync, stale, stale, in_sync], 1):
+        guard.check(step, m)

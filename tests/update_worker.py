@@ -31,7 +31,17 @@ def main(model_dir: str, out: str):
     rank, world, _ = distributed.init_distributed()
     cfg = train.Config(lora_rank=8, lora_alpha=16, micro_batch_size=2, max_grad_norm=1e9, tis_cap=2.0,
                        step_adv_weight=0.0)
+    from transformers import Qwen3VLForConditionalGeneration
+
+    reads, read = [0], Qwen3VLForConditionalGeneration.from_pretrained  # who reads the checkpoint
+
+    def counted(cls, *args, **kwargs):
+        reads[0] += 1
+        return read(*args, **kwargs)
+
+    Qwen3VLForConditionalGeneration.from_pretrained = classmethod(counted)
     model = policy.build_policy(cfg, model_dir)
+    checkpoint_reads = distributed.all_gather_objects(reads[0])
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():  # LoRA B off zero, the same on every rank (every rank draws all of it)
         for _, p in policy.lora_parameters(model):
@@ -91,7 +101,7 @@ def main(model_dir: str, out: str):
     all_adv = distributed.all_gather_objects([(e.sample_id, float(a)) for e, a in zip(mine, advantages)])
     sequences = int(distributed.sum_over_ranks([len(experiences)])[0])
     if rank == 0:
-        torch.save({"grads": saved, "world": world, "sequences": sequences,
+        torch.save({"grads": saved, "world": world, "sequences": sequences, "checkpoint_reads": checkpoint_reads,
                     "advantages": [a for _, a in sorted(p for part in all_adv for p in part)]}, out)
     dist.barrier()
     dist.destroy_process_group()
