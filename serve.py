@@ -26,6 +26,7 @@ Any serve flag not listed in `--help` is passed to vLLM unchanged (e.g. --gpu-me
 """
 
 import argparse
+import hashlib
 import json
 import os
 import sys
@@ -285,8 +286,9 @@ class ServedRoutesOnly:
                 models.lora_requests.pop(model, None)
             print(f"[serve] adapter {model[len(prefix):]} was rewritten on disk: its new weights are served "
                   "from now on", flush=True)
-        salt = request.get("cache_salt")
-        request["cache_salt"] = f"{salt}|{version}" if isinstance(salt, str) and salt else f"adapter {version}"
+        salt = request.get("cache_salt")  # the caller's own salt keeps working, combined with ours
+        request["cache_salt"] = hashlib.sha256(f"{salt}|{version}".encode()).hexdigest() \
+            if isinstance(salt, str) and salt else f"adapter-{version}"
         body = json.dumps(request).encode()
         headers = [(k, v) for k, v in scope.get("headers", []) if k.lower() != b"content-length"]
         return body, {**scope, "headers": headers + [(b"content-length", str(len(body)).encode())]}
