@@ -198,7 +198,7 @@ def test_two_processes(tmp_path, warm_start):
     # (--train-pool 4 --group-size 8: step 2 plays step 1's mazes again, 8 times each, so the
     # maze whose group had reward spread at step 1 has it again under the updated policy)
     run_train(out, warm_start, "--steps", "2", "--eval-interval", "2", "--ckpt-interval", "2", "--temperature", "0.5",
-              "--train-pool", "4", "--group-size", "8", nproc=2)
+              "--train-pool", "4", "--group-size", "8", "--eval-mazes", "2", nproc=2)
     metrics = read_metrics(out)
     assert [m["step"] for m in metrics] == [1, 2]
     assert metrics[-1]["num_groups"] == 4  # every group of the step, from both ranks
@@ -209,7 +209,7 @@ def test_two_processes(tmp_path, warm_start):
     assert metrics[0]["grad_norm"] > 0 and metrics[1]["trained_sequence_frac"] > 0
     assert all(m["mismatch_abs_mean"] < 1e-5 and abs(m["tis_weight_mean"] - 1) < 1e-4 for m in metrics)
     assert lora_b_norm(out / "checkpoints" / "step_2" / "adapter_model.safetensors") > 1e-3
-    assert json.loads((out / "eval" / "step_2.json").read_text())["total"] == 8
+    assert json.loads((out / "eval" / "step_2.json").read_text())["total"] == 2
 
 
 # ----------------------------------------------------------------------------- evaluation
