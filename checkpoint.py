@@ -555,8 +555,9 @@ def _open_run(out: Path, cfg, base: dict, log) -> tuple[str, dict]:
 # holder, so its content says who held it: on the same host a dead holder is recognised (its
 # pid gone or reused: the process start time differs; the machine rebooted: the boot id
 # differs) and the lock is taken over with one warning. From another host nothing can be
-# checked: the run refuses and names the holder; --take-over-lock true (or deleting the file)
-# is for when you know that trainer is gone.
+# checked: the run refuses and names the holder (except a Slurm job requeued since it took the
+# lock: Slurm ended that run first); --take-over-lock true (or deleting the file) is for when
+# you know that trainer is gone.
 
 def process_identity(pid: int) -> dict:
     """What tells a live process from a dead one with the same pid on this host."""
@@ -592,6 +593,19 @@ def holder_alive(holder: dict) -> bool | None:
     return True
 
 
+def slurm_attempt() -> dict:
+    """The Slurm job and which run of it this is (a requeue counts up SLURM_RESTART_COUNT)."""
+    job = os.environ.get("SLURM_JOB_ID")
+    return {"slurm_job": job, "slurm_restart": int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)} if job else {}
+
+
+def earlier_attempt_of_this_job(holder: dict) -> bool:
+    """The holder was an earlier run of this same Slurm job (requeued since, maybe onto other nodes)."""
+    ours = slurm_attempt()
+    return bool(ours and holder.get("slurm_job") == ours["slurm_job"]
+                and int(holder.get("slurm_restart", 0)) < ours["slurm_restart"])
+
+
 def describe_holder(holder: dict) -> str:
     return (f"pid {holder.get('pid', '?')} on {holder.get('host', '?')}, since {holder.get('started', '?')}"
             + (f", torchrun {holder['launcher']}" if holder.get("launcher") else ""))
@@ -604,7 +618,7 @@ def take_lock(out: Path, take_over: bool = False, warn=print) -> Path:
 
     path = out / LOCK_FILE
     me = {**process_identity(os.getpid()), "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-          "launcher": launcher_id()}
+          "launcher": launcher_id(), **slurm_attempt()}
     for _ in range(3):
         try:
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
@@ -619,6 +633,8 @@ def take_lock(out: Path, take_over: bool = False, warn=print) -> Path:
             if holder.get("pid") == os.getpid() and holder.get("host") == me["host"]:
                 return path  # this process holds it already
             alive = holder_alive(holder) if holder else None
+            if alive is None and earlier_attempt_of_this_job(holder):
+                alive = False  # Slurm ends a job's allocation before it runs the requeued job
             if alive or (alive is None and not take_over):
                 unknown = "" if alive else (" (on another host: whether it still runs cannot be checked from "
                                             "here; if it is gone, pass --take-over-lock true or delete the lock)")

@@ -223,7 +223,7 @@ def test_a_torchrun_restart_of_a_fresh_run_resumes_its_own_checkpoint(tmp_path, 
         checkpoint._open_run(out, run_settings(resume="none"), {"path": "base"}, log=print)
 
 
-def test_one_trainer_per_run_dir_and_a_dead_ones_lock_is_taken_over(tmp_path):
+def test_one_trainer_per_run_dir_and_a_dead_ones_lock_is_taken_over(tmp_path, monkeypatch):
     import socket
     import subprocess
 
@@ -252,6 +252,16 @@ def test_one_trainer_per_run_dir_and_a_dead_ones_lock_is_taken_over(tmp_path):
     with pytest.raises(SystemExit, match="pid 4242 on node-7, since then .*on another host.*--take-over-lock true"):
         checkpoint.take_lock(tmp_path)
     assert checkpoint.take_lock(tmp_path, take_over=True, warn=warnings.append) == lock
+    checkpoint.release_lock(lock, os.getpid())
+    # ... but a Slurm job requeued (onto other nodes) after its first run took the lock: that run is over
+    lock.write_text(json.dumps({"host": "node-7", "pid": 4242, "slurm_job": "77", "slurm_restart": 0}))
+    with monkeypatch.context() as env:
+        env.setenv("SLURM_JOB_ID", "77")
+        env.setenv("SLURM_RESTART_COUNT", "0")  # the same run of the job, on another node: a live trainer
+        with pytest.raises(SystemExit, match="on another host"):
+            checkpoint.take_lock(tmp_path)
+        env.setenv("SLURM_RESTART_COUNT", "1")
+        assert checkpoint.take_lock(tmp_path, warn=lambda m: None) == lock
     checkpoint.release_lock(lock, os.getpid())
 
 
