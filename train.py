@@ -332,11 +332,14 @@ def main(cfg: Config):
     out = Path(cfg.out_dir)
     shared = Path(cfg.shared_dir or out / "shared")
     if rank == 0:
-        for d in (out, shared):
-            policy.check_writable(d)
+        policy.check_writable(out)
     dist.barrier()
     # the run lock, the checkpoint to resume from, and no fresh start over another run's files
+    # (before anything is written into the directory)
     ckpt, run = checkpoint.open_run(out, cfg, base, log=log0)
+    if rank == 0:
+        policy.check_writable(shared)
+    dist.barrier()
     distributed.check_shared_dir(shared, checkpoint.atomic_write_text)
 
     chat = rollout.ChatFormat.for_model(model_path)
