@@ -46,6 +46,8 @@ from tqdm import tqdm  # noqa: E402
 
 import env  # noqa: E402
 
+# The ranks vLLM's engine takes for max_lora_rank (vllm/config/lora.py: MaxLoRARanks).
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 # LoRA goes on the language model's linear layers only; the vision tower stays frozen (and vLLM
 # does not apply LoRA to it anyway). A regex, so it works for any Qwen3-VL size.
 LORA_TARGET_REGEX = r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"

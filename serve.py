@@ -12,8 +12,10 @@ LoRA on, and every adapter under the adapter root servable by name, loaded on it
     "model": "tiny-qwen3-vl:run1/step_20"    <adapter root>/run1/step_20
 
 Loaded adapters stay cached: up to --max-loras take part in one batch, --max-cpu-loras are kept in
-memory, and older ones are reloaded from disk when asked for again. So give new weights a new
-directory rather than overwriting an adapter in place (the trainer exports each step to its own).
+memory, and older ones are reloaded from disk when asked for again. An adapter directory
+rewritten while served (a resumed run redoes a step and replaces adapters/step_N) is noticed on
+its next request and its new weights are loaded (`ServedRoutesOnly.follow_rewrites`). An adapter
+whose adapter_config.json is broken is named at start-up and left out; the rest are served.
 Adapters are only ever read from inside the root, and the routes that would load one from any
 other path are switched off.
 
@@ -24,6 +26,7 @@ Any serve flag not listed in `--help` is passed to vLLM unchanged (e.g. --gpu-me
 """
 
 import argparse
+import hashlib
 import json
 import os
 import sys
@@ -41,29 +44,37 @@ from train import parse_bool  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent
 
-# The ranks vLLM accepts for --max-lora-rank (vllm.config.lora.MaxLoRARanks).
-VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+VLLM_LORA_RANKS = rollout.VLLM_LORA_RANKS  # what vLLM takes for --max-lora-rank
 # With no adapter to measure yet, fit the rank train.py gives real models (the tiny one uses 8).
 DEFAULT_LORA_RANK = 32
 
 
 # ----------------------------------------------------------------------------- adapters on disk
 
-def find_adapters(root: Path) -> dict[str, int]:
+class BadAdapter(Exception):
+    """An adapter directory whose adapter_config.json is not a PEFT LoRA config."""
+
+
+def find_adapters(root: Path, skipped: dict | None = None) -> dict[str, int]:
     """Every adapter under `root` (a directory with an adapter_config.json): name -> LoRA rank.
 
     Hidden directories are skipped: the trainer writes each export into a dot-prefixed temp dir
-    and renames it into place when it is complete. Symlinked directories are not followed.
+    and renames it into place when it is complete. Symlinked directories are not followed. An
+    adapter whose config cannot be read is left out, and `skipped` gets its name and why.
     """
     adapters = {}
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
         if "adapter_config.json" in filenames:
             path = Path(dirpath)
+            name = path.relative_to(root).as_posix()
             try:
-                adapters[path.relative_to(root).as_posix()] = adapter_rank(path)
+                adapters[name] = adapter_rank(path)
             except FileNotFoundError:  # a training run pruned it while we looked
                 pass
+            except BadAdapter as e:
+                if skipped is not None:
+                    skipped[name] = str(e)
     return adapters
 
 
@@ -73,8 +84,11 @@ def adapter_rank(path: Path) -> int:
     try:
         config = json.loads(config_file.read_text())
         return max([int(config["r"]), *map(int, (config.get("rank_pattern") or {}).values())])
-    except (ValueError, KeyError, TypeError) as e:
-        raise SystemExit(f"{config_file}: not a PEFT LoRA config ({e!r})")
+    except FileNotFoundError:
+        raise
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        reason = f"no {e}" if isinstance(e, KeyError) else str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise BadAdapter(f"adapter_config.json is not a PEFT LoRA config ({reason})") from None
 
 
 def base_problem(adapter: Path, served: dict) -> str | None:
@@ -180,7 +194,18 @@ SERVED_ROUTES = {"/health", "/version", "/metrics", "/v1/models", "/v1/chat/comp
 
 # What the server was started with, for the middleware and the resolver (set by `serve`; vLLM builds
 # the middleware in this same process from its import path).
-SERVING = {"root": None, "served_name": "", "base": {}, "allow_base_mismatch": False}
+SERVING = {"root": None, "served_name": "", "base": {}, "allow_base_mismatch": False,
+           "versions": {}}  # adapter name -> adapter_version() when first served
+
+
+def adapter_version(path: Path) -> str | None:
+    """Which weights an adapter directory holds now: the trainer replaces a dir by renaming a new
+    one over it (new inodes), a copy rewrites the files (new mtime), so either changes this."""
+    try:
+        folder, weights = path.stat(), (path / "adapter_model.safetensors").stat()
+    except OSError:
+        return None
+    return f"{folder.st_ino}-{weights.st_ino}-{weights.st_size}-{weights.st_mtime_ns}"
 
 
 def refused_base(path: Path) -> str | None:
@@ -221,6 +246,7 @@ class ServedRoutesOnly:
             problem = self.wrong_base(body)
             if problem:
                 return await error_response(problem, 400, "BadRequestError")(scope, receive, send)
+            body, scope = self.follow_rewrites(scope, body)
             replayed = False
 
             async def replay():
@@ -232,6 +258,40 @@ class ServedRoutesOnly:
 
             return await self.app(scope, replay, send)
         return await self.app(scope, receive, send)
+
+    @staticmethod
+    def follow_rewrites(scope, body: bytes) -> tuple[bytes, dict]:
+        """Serve an adapter's current weights even when its directory was rewritten after vLLM
+        loaded it (a resumed run redoes a step and replaces adapters/step_N). vLLM keeps a loaded
+        adapter under its name for good, and keys prefix-cache blocks by name and path, which a
+        rewrite keeps. So: when the weights on disk changed, vLLM forgets the name (the next
+        lookup loads it anew, under a new id), and every adapter request carries the weights'
+        version in its cache salt, so no block computed with other weights is reused."""
+        try:
+            request = json.loads(body)
+            model = request.get("model", "")
+        except (ValueError, AttributeError):
+            return body, scope
+        prefix = SERVING["served_name"] + ":"
+        if not isinstance(model, str) or not model.startswith(prefix) or SERVING["root"] is None:
+            return body, scope
+        path = adapter_dir(SERVING["root"], model[len(prefix):])
+        version = path and adapter_version(path)
+        if not version:
+            return body, scope
+        if SERVING["versions"].setdefault(model, version) != version:
+            SERVING["versions"][model] = version
+            models = getattr(getattr(scope.get("app"), "state", None), "openai_serving_models", None)
+            if models is not None:
+                models.lora_requests.pop(model, None)
+            print(f"[serve] adapter {model[len(prefix):]} was rewritten on disk: its new weights are served "
+                  "from now on", flush=True)
+        salt = request.get("cache_salt")  # the caller's own salt keeps working, combined with ours
+        request["cache_salt"] = hashlib.sha256(f"{salt}|{version}".encode()).hexdigest() \
+            if isinstance(salt, str) and salt else f"adapter-{version}"
+        body = json.dumps(request).encode()
+        headers = [(k, v) for k, v in scope.get("headers", []) if k.lower() != b"content-length"]
+        return body, {**scope, "headers": headers + [(b"content-length", str(len(body)).encode())]}
 
     @staticmethod
     def wrong_base(body: bytes) -> str | None:
@@ -299,7 +359,8 @@ def serve(argv: list[str]):
     if not root.is_dir():
         raise SystemExit(f"--adapters {args.adapters}: not a directory")
     check_port_free(args.host, args.port)
-    adapters = find_adapters(root)
+    skipped = {}
+    adapters = find_adapters(root, skipped)
     max_lora_rank = choose_max_lora_rank(adapters, args.max_lora_rank)
     served = checkpoint.base_model_record(args.model)
     SERVING.update(root=root, served_name=args.served_name, base=served, allow_base_mismatch=args.allow_base_mismatch)
@@ -307,6 +368,8 @@ def serve(argv: list[str]):
     names = ", ".join(sorted(adapters)[:8]) + (", ..." if len(adapters) > 8 else "")
     print(f"[serve] {len(adapters)} adapters under {root} ({names or 'none yet'}); max LoRA rank {max_lora_rank}\n"
           f"[serve] model {args.served_name!r}: {args.model}; adapters: '{args.served_name}:<adapter>'", flush=True)
+    for name, problem in sorted(skipped.items()):
+        print(f"[serve] adapter {name}: skipped: {problem}", flush=True)
     for name, problem in sorted(wrong.items()):
         verdict = "served anyway (--allow-base-mismatch)" if args.allow_base_mismatch else "refused"
         print(f"[serve] adapter {name}: {verdict}: {problem}", flush=True)

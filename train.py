@@ -121,6 +121,8 @@ class Config:
     keep_syncs: int = 3
     resume: str = "latest"  # latest | none | <checkpoint dir>
     resume_allow_changes: bool = False  # resume although meaningful settings differ (they take effect)
+    archive_old_run: bool = False  # a fresh start into a used --out-dir moves the old run into <out>/archive/
+    take_over_lock: bool = False  # take the run lock although its holder (on another host) may still run
     # paths and misc
     out_dir: str = "runs/default"
     shared_dir: str = ""  # visible to every node; empty: <out_dir>/shared
@@ -160,8 +162,10 @@ class Config:
             problems.append("mismatch_bound and mismatch_steps must be >= 0")
         if self.train_max_turns < 0:
             problems.append("train_max_turns must be >= 0 (0: max_turns)")
+        if self.lora_rank and self.lora_rank not in rollout.VLLM_LORA_RANKS:
+            problems.append(f"lora_rank {self.lora_rank}: the engine (vLLM) takes only {list(rollout.VLLM_LORA_RANKS)}")
         if problems:
-            raise SystemExit("bad config:\n  " + "\n  ".join(problems))
+            raise SystemExit("bad config: " + "; ".join(problems))
 
 
 def parse_bool(text: str) -> bool:
@@ -287,10 +291,11 @@ def grpo_update(cfg, model, optimizer, scheduler, batch: policy.Batch, experienc
 
 # ----------------------------------------------------------------------------- evaluation
 
-def evaluate(cfg, engine, chat, lora_request, step: int, out: Path) -> dict:
+def evaluate(cfg, engine, chat, lora_request, step: int, out: Path, run: dict | None = None) -> dict:
     """Greedy play of the fixed evaluation mazes, split over ranks, through the chat API exactly as
     `serve.py eval` plays them over HTTP (rollout.play_chat_episodes); rank 0 writes the JSON.
-    With sampled_eval_samples, also the mean solve rate of that many sampled episodes per maze."""
+    With sampled_eval_samples, also the mean solve rate of that many sampled episodes per maze.
+    The file also names the run, adapter and base it played (checkpoint.eval_file)."""
     mazes = env.eval_mazes(cfg.difficulty, cfg.eval_mazes, cfg.env_style)
     mine = list(range(dist.get_rank(), len(mazes), dist.get_world_size()))
     episodes = rollout.play_chat_episodes(
@@ -311,8 +316,7 @@ def evaluate(cfg, engine, chat, lora_request, step: int, out: Path) -> dict:
         result["sampled_solve_rate"] = solved / total
         result["sampled_temperature"] = cfg.sampled_eval_temperature
     if dist.get_rank() == 0:
-        (out / "eval").mkdir(exist_ok=True)
-        checkpoint.atomic_write_text(out / "eval" / f"step_{step}.json", json.dumps(result, indent=1))
+        checkpoint.eval_file(out, result, run or {"run_id": None, "base": None}, lora_request)
     return result
 
 
@@ -340,8 +344,13 @@ def main(cfg: Config):
     out = Path(cfg.out_dir)
     shared = Path(cfg.shared_dir or out / "shared")
     if rank == 0:
-        for d in (out, shared):
-            policy.check_writable(d)
+        policy.check_writable(out)
+    dist.barrier()
+    # the run lock, the checkpoint to resume from, and no fresh start over another run's files
+    # (before anything is written into the directory)
+    ckpt, run = checkpoint.open_run(out, cfg, base, log=log0)
+    if rank == 0:
+        policy.check_writable(shared)
     dist.barrier()
     distributed.check_shared_dir(shared, checkpoint.atomic_write_text)
 
@@ -353,7 +362,6 @@ def main(cfg: Config):
     stream = env.TrainMazeStream(cfg.difficulty, eval_n=cfg.eval_mazes, pool=cfg.train_pool, style=cfg.env_style)
 
     start_step, hours = 0, 0.0
-    ckpt = distributed.broadcast_object(str(checkpoint.find(out, cfg.resume, warn=log0) or "") if rank == 0 else None)
     if ckpt:
         start_step, hours = checkpoint.load(Path(ckpt), cfg, model, optimizer, scheduler, stream, log=log0)
         restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
@@ -371,6 +379,7 @@ def main(cfg: Config):
         writer = SummaryWriter(str(out / "tb"), purge_step=start_step + 1)
 
     t = time.time()
+    rng = checkpoint.rng_states()  # the checkpoint's (or this fresh run's): vLLM re-seeds them on start
     engine = rollout.build_engine(model_path, max_model_len=cfg.max_model_len, max_lora_rank=cfg.lora_rank,
                                   seed=cfg.seed + rank, gpu_memory_utilization=cfg.gpu_memory_utilization,
                                   max_images=max(cfg.max_turns, cfg.train_max_turns) + 1, external_launcher=True,
@@ -380,6 +389,7 @@ def main(cfg: Config):
                                   # at T = 1 the raw model's log-probs (vLLM's default); at another
                                   # temperature, those of the distribution it sampled from
                                   logprobs_mode=rollout.logprobs_mode(cfg.temperature))
+    checkpoint.set_rng_states(rng)
     log0(f"vLLM engine ready in {time.time() - t:.1f}s" + ("" if on_gpu else
          "; CPU: vLLM has no sleep mode here, so the engine and the trainer both stay resident"))
 
@@ -387,8 +397,8 @@ def main(cfg: Config):
                                   worst_over_ranks=distributed.max_over_ranks)
     guard = policy.StalePolicyGuard(cfg.mismatch_bound, cfg.mismatch_steps, on_gpu)
     lora_request, lora_state, _ = policy.sync_adapter(model, engine, shared, start_step, cfg.keep_syncs, base)
-    if (start_step == 0 or start_step % cfg.eval_interval == 0) and not (out / "eval" / f"step_{start_step}.json").exists():
-        result = evaluate(cfg, engine, chat, lora_request, start_step, out)
+    if (start_step == 0 or start_step % cfg.eval_interval == 0) and not checkpoint.has_eval(out, start_step, run):
+        result = evaluate(cfg, engine, chat, lora_request, start_step, out, run)
         log0(f"eval step {start_step}: solved {result['solved']}/{result['total']}")
 
     per_rank = cfg.prompts_per_step // world
@@ -447,7 +457,7 @@ def main(cfg: Config):
         done = step + 1
         t0 = time.time()
         if done % cfg.eval_interval == 0 or done == cfg.steps:
-            result = evaluate(cfg, engine, chat, lora_request, done, out)
+            result = evaluate(cfg, engine, chat, lora_request, done, out, run)
             metrics["eval_solve_rate"] = result["solve_rate"]
             log0(f"eval step {done}: solved {result['solved']}/{result['total']}")
         timing["eval_s"] = time.time() - t0

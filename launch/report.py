@@ -16,11 +16,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+import checkpoint  # noqa: E402
 import env  # noqa: E402
 
 
 def load_evals(run: Path) -> list[dict]:
-    return sorted((json.loads(p.read_text()) for p in (run / "eval").glob("step_*.json")), key=lambda r: r["step"])
+    """The run's own evaluations (each file names its run; checkpoint.run_evals)."""
+    return checkpoint.run_evals(run)
 
 
 def plot_curves(run: Path, evals: list[dict]) -> Path:

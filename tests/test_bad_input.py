@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+import checkpoint
+
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
 
@@ -23,14 +25,43 @@ def places(tmp_path_factory, tiny_model):
     (root / "llama" / "config.json").write_text(json.dumps({"model_type": "llama"}))
     (root / "a_file").write_text("not a directory")
     (root / "not_a_checkpoint").mkdir()
+    # a run directory another run left (no checkpoint: a cleanup deleted them), one whose
+    # `latest` names a checkpoint that is gone, and one a live trainer holds (this process)
+    (root / "used" / "eval").mkdir(parents=True)
+    (root / "used" / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
+    (root / "used" / "eval" / "step_0.json").write_text('{"step": 0}')
+    (root / "used" / "config.json").write_text("{}")
+    (root / "gone" / "checkpoints").mkdir(parents=True)
+    (root / "gone" / "checkpoints" / "latest").write_text("step_4")
+    (root / "locked").mkdir()
+    (root / "locked" / checkpoint.LOCK_FILE).write_text(json.dumps(
+        {**checkpoint.process_identity(os.getpid()), "started": "2026-12-02T10:00:00Z"}))
+    readonly = make_read_only(root / "readonly")
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     listener.listen()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         closed_port = s.getsockname()[1]
-    yield {"root": root, "tiny": tiny_model, "busy_port": listener.getsockname()[1], "closed_port": closed_port}
+    yield {"root": root, "tiny": tiny_model, "busy_port": listener.getsockname()[1], "closed_port": closed_port,
+           "pid": os.getpid(), "host": socket.gethostname(), "readonly": readonly}
     listener.close()
+    subprocess.run(["chattr", "-i", str(root / "readonly")], capture_output=True)
+
+
+def make_read_only(path: Path) -> str:
+    """A directory nothing can be written into, also for root (which ignores permissions): the
+    immutable attribute where the filesystem has one. Returns its path, or "" if neither works."""
+    path.mkdir()
+    path.chmod(0o555)
+    if os.access(path, os.W_OK):  # root
+        subprocess.run(["chattr", "+i", str(path)], capture_output=True)
+    try:
+        (path / "probe").write_text("x")
+    except OSError:
+        return str(path)
+    (path / "probe").unlink()
+    return ""
 
 
 # (what is wrong, command, what the one line must say)
@@ -47,6 +78,19 @@ CASES = [
     ("resume from a dir that is no checkpoint", ["train.py", "--model", "{tiny}", "--out-dir", "{root}/run",
                                                  "--resume", "{root}/not_a_checkpoint"],
      "--resume {root}/not_a_checkpoint: not a usable checkpoint: no meta.json"),
+    ("out dir on a read-only path", ["train.py", "--model", "{tiny}", "--out-dir", "{readonly}/run"],
+     "{readonly}/run: cannot write there"),
+    ("fresh start into another run's dir", ["train.py", "--model", "{tiny}", "--out-dir", "{root}/used",
+                                            "--resume", "none"],
+     "{root}/used holds another run (metrics.jsonl (2 steps), eval/ (1 entry), config.json) and --resume none: "
+     "--resume latest continues it, --archive-old-run true moves it into {root}/used/archive/ first, or pick a "
+     "new --out-dir"),
+    ("`latest` naming a checkpoint that is gone", ["train.py", "--model", "{tiny}", "--out-dir", "{root}/gone"],
+     "{root}/gone/checkpoints/latest names step_4, which is gone, and no other checkpoint is there"),
+    ("a second trainer on a run dir", ["train.py", "--model", "{tiny}", "--out-dir", "{root}/locked"],
+     "{root}/locked is in use by another trainer: pid {pid} on {host}, since 2026-12-02T10:00:00Z"),
+    ("a LoRA rank vLLM does not take", ["train.py", "--lora-rank", "12"],
+     "lora_rank 12: the engine (vLLM) takes only [1, 8, 16, 32, 64, 128, 256, 320, 512]"),
     ("config that makes no sense", ["train.py", "--group-size", "1"], "group_size must be >= 2"),
     ("unknown env style", ["train.py", "--env-style", "gym"], "env_style must be one of"),
     ("misspelt boolean", ["train.py", "--progress", "ture"], "expected true/false/1/0/yes/no, got 'ture'"),
@@ -66,6 +110,8 @@ CASES = [
 
 @pytest.mark.parametrize("what,argv,message", CASES, ids=[c[0] for c in CASES])
 def test_a_mistake_is_one_clear_line(what, argv, message, places):
+    if "{readonly}" in " ".join(argv) and not places["readonly"]:
+        pytest.skip("no way to make a read-only directory here")
     argv = [a.format(**places) for a in argv]
     environ = {**os.environ, "HF_HUB_OFFLINE": "1"}  # as on an offline node: no minutes of retries
     proc = subprocess.run([PY, *argv], cwd=ROOT, capture_output=True, text=True, timeout=180, env=environ)
@@ -73,3 +119,21 @@ def test_a_mistake_is_one_clear_line(what, argv, message, places):
     assert proc.returncode != 0, f"{what}: exit 0\n{output[-2000:]}"
     assert message.format(**places) in output, f"{what}:\n{output[-2000:]}"
     assert "Traceback" not in output, f"{what}: a traceback\n{output[-3000:]}"
+    # and the answer is one line: on stderr nothing else (but argparse's usage block before its
+    # error line), or, where it goes to stdout, the last line there
+    lines, in_usage = [], False
+    for line in proc.stderr.splitlines():
+        in_usage = line.startswith("usage: ") or (in_usage and line.startswith(" "))
+        if line.strip() and not in_usage:
+            lines.append(line)
+    lines = lines or proc.stdout.splitlines()[-1:]
+    assert len(lines) == 1 and message.format(**places) in lines[0], f"{what}: not one line\n{output[-2000:]}"
+
+
+def test_the_refused_run_dirs_are_left_as_they_were(places):
+    """Nothing lost: the refusals above wrote nothing into the directories they refused."""
+    root = places["root"]
+    assert sorted(p.name for p in (root / "used").iterdir()) == ["config.json", "eval", "metrics.jsonl"]
+    assert (root / "used" / "metrics.jsonl").read_text() == '{"step": 1}\n{"step": 2}\n'
+    assert sorted(p.name for p in (root / "gone").rglob("*")) == ["checkpoints", "latest"]
+    assert sorted(p.name for p in (root / "locked").iterdir()) == [checkpoint.LOCK_FILE]

@@ -175,14 +175,16 @@ def test_worker_killed_mid_step_is_restarted_and_resumes(tmp_path, launch):
           f"kill -> resumed {resumed_at - killed_at:.1f}s, kill -> first step done {first_step_at - killed_at:.1f}s")
 
 
-def test_kill_during_a_checkpoint_write_loads_the_previous_checkpoint(tmp_path, launch):
+def test_worker_killed_during_a_checkpoint_write_loads_the_previous_checkpoint(tmp_path, launch):
     out, ckpts = tmp_path / "run", tmp_path / "run" / "checkpoints"
     # train.py SIGKILLs itself in the middle of writing step 2's checkpoint (files half there, no
     # meta.json), on torchrun's first attempt only
     # (--keep-syncs 1: the step-2 adapter the engines got before the crash is then the only one
     # kept, and must not push out the step-1 adapter the resumed run writes)
-    proc = launch(out, "--steps", "2", "--ckpt-interval", "1", "--keep-syncs", "1", MAX_RESTARTS="1",
-                  GRPO_TEST_KILL_IN_CHECKPOINT="2")
+    # (--resume none: a fresh run; torchrun's restart of it still resumes from its own checkpoint,
+    # taking over the lock its killed first attempt left)
+    proc = launch(out, "--steps", "2", "--ckpt-interval", "1", "--keep-syncs", "1", "--resume", "none",
+                  MAX_RESTARTS="1", GRPO_TEST_KILL_IN_CHECKPOINT="2")
     [worker] = wait_for(lambda: workers(proc), "the worker", [proc])
     wait_for(lambda: not psutil.pid_exists(worker) or psutil.Process(worker).status() == psutil.STATUS_ZOMBIE,
              "the worker to die in its checkpoint write", [proc])
@@ -194,6 +196,8 @@ def test_kill_during_a_checkpoint_write_loads_the_previous_checkpoint(tmp_path, 
     log = finish(proc)
     assert "torchrun restart 1" in log
     assert f"resumed from {ckpts}/step_1 at step 1" in log
+    assert log.count(f"taking over {out}/trainer.lock from a trainer that is gone") == 1
+    assert not (out / "trainer.lock").exists()  # released at the end
     assert_one_line_per_step_and_the_uninterrupted_maze_stream(out, 2)
     assert latest_step(out) == 2 and (ckpts / "step_2" / "meta.json").exists()
     assert not list(ckpts.glob(".*")), "the next checkpoint clears what the crash left"
@@ -337,8 +341,9 @@ def _fake_run(run: Path, seed: int, solved_by_step: dict, step_s: float, sampled
         extra = {"sampled_solve_rate": sampled[step]} if sampled and step in sampled else {}
         (run / "eval" / f"step_{step}.json").write_text(json.dumps(
             {"step": step, "difficulty": "small", "solved": solved, "total": 64, "solve_rate": solved / 64,
-             "mazes": rows, **extra}))
+             "mazes": rows, "run_id": "this-run", **extra}))
     last = max(solved_by_step)
+    (run / "run.json").write_text(json.dumps({"run_id": "this-run"}))
     (run / "metrics.jsonl").write_text("".join(json.dumps(
         {"step": s, "step_s": step_s, "rollout_s": 1.0, "update_s": 2.0, "solve_rate": 0.5, "reward_mean": 0.5}) + "\n"
         for s in range(1, last + 1)))
@@ -348,6 +353,10 @@ def test_report_tables_come_from_the_logged_files(tmp_path):
     a, b = tmp_path / "a" / "grpo", tmp_path / "b" / "grpo"
     _fake_run(a, 0, {0: 32, 10: 50, 20: 60}, step_s=3.0)  # 93.75% at step 20
     _fake_run(b, 1, {0: 28, 10: 40, 20: 44}, step_s=4.0)  # never reaches 90%
+    for step, solved in ((5, 64), (30, 64)):  # another run's evaluations left in b: not b's
+        (b / "eval" / f"step_{step}.json").write_text(json.dumps(
+            {"step": step, "difficulty": "small", "solved": solved, "total": 64, "solve_rate": 1.0,
+             "mazes": [], "run_id": "an-earlier-run"}))
     (tmp_path / "a" / "generalisation").mkdir()
     (tmp_path / "a" / "generalisation" / "easy-grpo.json").write_text(json.dumps(
         {"adapter": "x", "difficulty": "easy", "solved": 7, "total": 64}))
@@ -427,3 +436,24 @@ def test_gpu_check_names_what_is_missing_before_it_runs_anything(tmp_path):
     report = json.loads(out.read_text())
     assert report["checks"] == [] and len(report["missing"]) == 2
     assert {r["name"] for r in report["requirements"] if not r["ok"]} == {"no-such-package", "numpy"}
+
+
+# ----------------------------------------------------------------------------- the README's commands
+
+def test_the_readmes_test_commands_select_the_tests_they_name():
+    """Every `pytest tests/<file> -k <expr>` in the README selects at least one test of that file,
+    by pytest's own -k matching (test names, case-insensitive substrings)."""
+    import ast
+    import re
+
+    from _pytest.mark.expression import Expression
+
+    readme = (ROOT / "README.md").read_text()
+    commands = re.findall(r"pytest\s+(tests/\w+\.py)\s+-k\s+(\w+|\"[^\"]+\")", readme)
+    assert len(commands) >= 5, commands
+    for path, expression in commands:
+        tree = ast.parse((ROOT / path).read_text())
+        names = [f.name for f in tree.body if isinstance(f, ast.FunctionDef) and f.name.startswith("test")]
+        matcher = Expression.compile(expression.strip('"'))
+        selected = [n for n in names if matcher.evaluate(lambda word, **kw: word.lower() in n.lower())]
+        assert selected, f"pytest {path} -k {expression} selects nothing"

@@ -111,13 +111,15 @@ def training(tmp_path_factory, warm_start):
 
 @pytest.fixture(scope="module")
 def adapter_root(training, warm_start, tiny_model, tmp_path_factory) -> Path:
-    """<root>/{a, b, other_base, run1/...} plus two links: `inside` -> a, and `escape` -> an
-    adapter outside the root."""
+    """<root>/{a, b, other_base, broken, run1/...} plus two links: `inside` -> a, and `escape` ->
+    an adapter outside the root. `broken`'s adapter_config.json is cut short."""
     root = training[0]
     outside = tmp_path_factory.mktemp("outside")
     random_lora(warm_start, root / "a", seed=1)
     random_lora(warm_start, root / "b", seed=2)
     random_lora(tiny_model, root / "other_base", seed=3)  # trained on the untrained tiny model
+    (root / "broken").mkdir()
+    (root / "broken" / "adapter_config.json").write_text('{"peft_type": "LORA", "r": ')  # cut short
     shutil.copytree(root / "a", outside / "stolen")
     (root / "inside").symlink_to(root / "a")
     (root / "escape").symlink_to(outside / "stolen")
@@ -193,6 +195,10 @@ def test_trainer_export_replays_the_trainer_eval(server, base, trained_run):
     lora = load_file(str(trained_run / "adapters" / "step_2" / "adapter_model.safetensors"))
     assert any(v.abs().max() > 0 for k, v in lora.items() if "lora_B" in k)  # a real update (PEFT starts B at 0)
     logged = json.loads((trained_run / "eval" / "step_2.json").read_text())
+    # the trained adapter plays otherwise than the base (step 0: LoRA B is 0), so serving the base
+    # by mistake could not replay it
+    base_play = json.loads((trained_run / "eval" / "step_0.json").read_text())
+    assert [row["replies"] for row in logged["mazes"]] != [row["replies"] for row in base_play["mazes"]]
     model = f"{base}:run1/adapters/step_2"
     result = serve.evaluate(server.url, model, **EVAL, api_key=API_KEY, progress=False)
     assert (result["solved"], result["total"]) == (logged["solved"], logged["total"])
@@ -292,6 +298,33 @@ def test_seeded_sampling_of_long_conversations(server, base):
     assert sum(body["usage"]["prompt_tokens"] for _, body in answers) > 4096
 
 
+def test_an_adapter_rewritten_while_served_is_served_anew(server, base, adapter_root, engine):
+    """A resumed run redoes a step and replaces adapters/step_N (a new dir renamed over the old):
+    the next request gets the new weights, not the ones vLLM loaded under that name before."""
+    from vllm import SamplingParams
+
+    messages = first_turns(1)[0]
+    offline = {name: engine.chat([messages], SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False,
+                                 lora_request=offline_adapter(adapter_root, name))[0].outputs[0].text
+               for name in ("a", "b")}
+    assert offline["a"] != offline["b"]
+    shutil.copytree(adapter_root / "b", adapter_root / "swap")
+    assert server.reply(f"{base}:swap", messages) == offline["b"]
+    shutil.copytree(adapter_root / "a", adapter_root / ".swap.tmp")  # as checkpoint.write_adapter does
+    shutil.rmtree(adapter_root / "swap")
+    (adapter_root / ".swap.tmp").rename(adapter_root / "swap")
+    assert server.reply(f"{base}:swap", messages) == offline["a"]
+    assert "[serve] adapter swap was rewritten on disk: its new weights are served from now on" in \
+        server.log.read_text()
+
+
+def test_a_broken_adapter_config_is_named_and_the_rest_served(server, base):
+    log = server.log.read_text()
+    assert "[serve] adapter broken: skipped: adapter_config.json is not a PEFT LoRA config" in log
+    assert server.chat(f"{base}:a", first_turns(1)[0], max_tokens=2)[0] == 200
+    assert server.chat(f"{base}:broken", first_turns(1)[0], max_tokens=2)[0] in (400, 404)
+
+
 # ----------------------------------------------------------------------------- refusals
 
 def test_bad_requests_get_a_clear_4xx_and_the_server_keeps_serving(server, base, adapter_root, warm_start):
@@ -351,6 +384,18 @@ def test_max_lora_rank_must_fit_every_adapter(tmp_path):
     assert serve.find_adapters(tmp_path)["patterned"] == 32
     with pytest.raises(SystemExit, match="vLLM accepts only"):
         serve.choose_max_lora_rank(adapters, 12)
+
+
+def test_adapters_with_a_broken_config_are_left_out_and_named(tmp_path):
+    write_config(tmp_path / "good", 8)
+    for name, text in (("cut", '{"r": '), ("no_rank", '{"peft_type": "LORA"}'), ("list", "[8]")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "adapter_config.json").write_text(text)
+    skipped = {}
+    assert serve.find_adapters(tmp_path, skipped) == {"good": 8}
+    assert sorted(skipped) == ["cut", "list", "no_rank"]
+    assert all(why.startswith("adapter_config.json is not a PEFT LoRA config (") and "\n" not in why
+               for why in skipped.values())
 
 
 def test_start_up_fails_clearly_when_an_adapter_is_too_big(tmp_path):

@@ -52,7 +52,11 @@ def test_resume_is_exact_with_real_updates(tmp_path, warm_start):
     """4 steps straight == a run SIGKILLed after its step-2 checkpoint and restarted: the same
     LoRA weights, Adam moments, LR schedule, step count and maze stream, and the same metrics.
     The straight run also shows what every run writes, and that its updates are real."""
-    common = ["--steps", "4", "--ckpt-interval", "2", "--eval-interval", "2", "--export-interval", "4"]
+    # LoRA dropout: the update draws from torch's global generator, so the resumed run matches
+    # only if the checkpoint's RNG state is restored, and restored after vLLM's engine start
+    # (which re-seeds it). Nothing else in a step draws from it (checkpoint.rng_states).
+    common = ["--steps", "4", "--ckpt-interval", "2", "--eval-interval", "2", "--export-interval", "4",
+              "--lora-dropout", "0.1"]
     straight, split = tmp_path / "straight", tmp_path / "split"
     run_train(straight, warm_start, *common)
 
@@ -71,12 +75,11 @@ def test_resume_is_exact_with_real_updates(tmp_path, warm_start):
 
     a, b = read_metrics(straight), read_metrics(split)
     assert [m["step"] for m in a] == [m["step"] for m in b] == [1, 2, 3, 4]
-    # real updates: groups with reward spread, non-zero advantages, the LoRA moved, and the
-    # engine still sampled from exactly the trainer's policy after each change
+    # real updates: groups with reward spread, non-zero advantages, the LoRA moved (the engine
+    # sampling from exactly the trainer's policy is test_two_processes's: dropout blurs it here)
     assert any(m["zero_variance_group_frac"] < 1 for m in a) and any(m["grad_norm"] > 0 for m in a)
     final = straight / "checkpoints" / "step_4"
     assert lora_b_norm(final / "adapter_model.safetensors") > 1e-3  # PEFT starts B at exactly 0
-    assert all(m["mismatch_abs_mean"] < 1e-4 and abs(m["tis_weight_mean"] - 1) < 1e-4 for m in a)
     for x, y in zip(a, b):
         assert x["maze_seeds"] == y["maze_seeds"] and x["stream_position"] == y["stream_position"]
         for key in ("reward_mean", "generated_tokens", "episode_turns", "grad_norm", "lr", "pg_loss"):
@@ -101,6 +104,12 @@ def test_resume_is_exact_with_real_updates(tmp_path, warm_start):
     # what a run writes
     evals = json.loads((straight / "eval" / "step_4.json").read_text())
     assert evals["total"] == 8 == len(evals["mazes"]) and evals["fitting"] == 8
+    # what it played: this run's id, the adapter synced after step 4, the base
+    run = json.loads((straight / "run.json").read_text())
+    assert evals["run_id"] == run["run_id"] and evals["adapter"] == str(straight / "shared" / "sync" / "step_4")
+    assert evals["base"]["path"] == str(warm_start.resolve()) and evals["base"]["fingerprint"]
+    assert json.loads((split / "eval" / "step_4.json").read_text())["run_id"] == \
+        json.loads((split / "run.json").read_text())["run_id"]  # a resumed run keeps its id
     assert (straight / "eval" / "step_0.json").exists() and list((straight / "tb").glob("events.out.tfevents.*"))
     assert (straight / "checkpoints" / "latest").read_text() == "step_4"
     from peft import PeftConfig
@@ -189,16 +198,26 @@ def test_grpo_learns_a_small_pool(tmp_path, warm_start):
 # ----------------------------------------------------------------------------- two processes
 
 def test_two_processes(tmp_path, warm_start):
-    """torchrun with 2 ranks: both ranks' groups in the statistics, a real update, the engines of
-    both ranks sampling from the updated policy."""
+    """torchrun with 2 ranks at the main job's temperature (0.5: the engines report the tempered
+    log-probs, logprobs_mode="processed_logprobs"): both ranks' groups in the statistics, a real
+    update, and after it and the sync the engines of both ranks sample from exactly the trainer's
+    updated policy (the mismatch stays at fp32 rounding)."""
     out = tmp_path / "run"
-    run_train(out, warm_start, "--steps", "2", "--eval-interval", "2", "--ckpt-interval", "2", nproc=2)
+    # (--train-pool 4 --group-size 8: step 2 plays step 1's mazes again, 8 times each, so the
+    # maze whose group had reward spread at step 1 has it again under the updated policy)
+    run_train(out, warm_start, "--steps", "2", "--eval-interval", "2", "--ckpt-interval", "2", "--temperature", "0.5",
+              "--train-pool", "4", "--group-size", "8", "--eval-mazes", "2", nproc=2)
     metrics = read_metrics(out)
     assert [m["step"] for m in metrics] == [1, 2]
     assert metrics[-1]["num_groups"] == 4  # every group of the step, from both ranks
-    assert all(m["mismatch_abs_mean"] < 1e-4 for m in metrics)
+    print("per step (mismatch, trained fraction, grad norm):",
+          [(m["mismatch_abs_mean"], m["trained_sequence_frac"], m["grad_norm"]) for m in metrics])
+    # step 2 samples from a policy that step 1 really changed, and trains on some of it (the
+    # mismatch is measured on the sequences trained)
+    assert metrics[0]["grad_norm"] > 0 and metrics[1]["trained_sequence_frac"] > 0
+    assert all(m["mismatch_abs_mean"] < 1e-5 and abs(m["tis_weight_mean"] - 1) < 1e-4 for m in metrics)
     assert lora_b_norm(out / "checkpoints" / "step_2" / "adapter_model.safetensors") > 1e-3
-    assert json.loads((out / "eval" / "step_2.json").read_text())["total"] == 8
+    assert json.loads((out / "eval" / "step_2.json").read_text())["total"] == 2
 
 
 # ----------------------------------------------------------------------------- evaluation
