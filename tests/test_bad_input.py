@@ -108,6 +108,7 @@ CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("what,argv,message", CASES, ids=[c[0] for c in CASES])
 def test_a_mistake_is_one_clear_line(what, argv, message, places):
     if "{readonly}" in " ".join(argv) and not places["readonly"]:
@@ -130,6 +131,7 @@ def test_a_mistake_is_one_clear_line(what, argv, message, places):
     assert len(lines) == 1 and message.format(**places) in lines[0], f"{what}: not one line\n{output[-2000:]}"
 
 
+@pytest.mark.slow
 def test_the_refused_run_dirs_are_left_as_they_were(places):
     """Nothing lost: the refusals above wrote nothing into the directories they refused."""
     root = places["root"]

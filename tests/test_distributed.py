@@ -65,6 +65,7 @@ def _record_collectives(model_dir: str, results):
     results.put({"seen": seen, "routes": dict(dist.BackendConfig(dist.get_backend()).get_device_backend_map())})
 
 
+@pytest.mark.slow
 def test_every_collective_of_an_update_goes_where_its_backend_is(tiny_model):
     """The trainer's update and metrics issue collectives on CPU tensors (counts, sums, maxima)
     and objects; each one's device has a backend in the group (on a GPU: gloo for these, NCCL for

@@ -13,6 +13,7 @@ import env
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.slow
 def test_eval_policy_plays_the_held_out_mazes_like_the_trainer(tmp_path, warm_start, engine):
     """experiments/eval_policy.py (the generalisation check) plays greedily through the same chat path
     as train.py's evaluation: its per-maze replies match rollout.play_chat_episodes on an engine
@@ -38,6 +39,7 @@ def test_eval_policy_plays_the_held_out_mazes_like_the_trainer(tmp_path, warm_st
     assert bad.returncode != 0 and "not a PEFT adapter directory" in bad.stderr
 
 
+@pytest.mark.slow
 def test_diagnose_replays_the_greedy_policy_with_oracle_rules(tmp_path, tiny_model):
     from experiments.diagnose import VARIANTS, blocked
 
@@ -109,6 +111,7 @@ def test_failures_classifies_wrong_turns_towards_the_goal_and_two_cell_loops(tmp
     assert proc.returncode == 0 and "failed 1/3; first wrong move towards the goal 0" in proc.stdout, proc.stderr
 
 
+@pytest.mark.slow
 def test_forks_sorts_the_shortest_path_turns_by_how_deep_the_wrong_branch_goes(tmp_path, tiny_model):
     from experiments.forks import branch_depth, turn_kinds
 

@@ -132,6 +132,7 @@ def assert_one_line_per_step_and_the_uninterrupted_maze_stream(out: Path, steps:
 
 # ----------------------------------------------------------------------------- torchrun
 
+@pytest.mark.slow
 def test_two_nodes_on_one_machine(tmp_path, launch):
     out, shared, port = tmp_path / "run", tmp_path / "shared", free_port()
     nodes = [launch(out, "--steps", "2", "--shared-dir", str(shared), log=f"node{rank}.txt",
@@ -146,6 +147,7 @@ def test_two_nodes_on_one_machine(tmp_path, launch):
     assert (out / "checkpoints" / "latest").read_text() == "step_2"
 
 
+@pytest.mark.slow
 def test_worker_killed_mid_step_is_restarted_and_resumes(tmp_path, launch):
     out, steps = tmp_path / "run", 3
     proc = launch(out, "--steps", str(steps), "--ckpt-interval", "1", MAX_RESTARTS="1")
@@ -175,6 +177,7 @@ def test_worker_killed_mid_step_is_restarted_and_resumes(tmp_path, launch):
           f"kill -> resumed {resumed_at - killed_at:.1f}s, kill -> first step done {first_step_at - killed_at:.1f}s")
 
 
+@pytest.mark.slow
 def test_worker_killed_during_a_checkpoint_write_loads_the_previous_checkpoint(tmp_path, launch):
     out, ckpts = tmp_path / "run", tmp_path / "run" / "checkpoints"
     # train.py SIGKILLs itself in the middle of writing step 2's checkpoint (files half there, no
@@ -393,6 +396,7 @@ def test_report_tables_come_from_the_logged_files(tmp_path):
 
 # ----------------------------------------------------------------------------- the device check
 
+@pytest.mark.slow
 def test_gpu_check_runs_the_trainer_path_in_its_dry_run(tmp_path):
     """launch/gpu_check.sh, the script for a one-GPU machine, in its CPU mode: the small shape
     through the trainer's code (policy, precomputed features, update with TIS, adapter and

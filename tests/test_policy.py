@@ -163,6 +163,7 @@ def _sync_check(shared: str, model_dir: str, results):
     del engine
 
 
+@pytest.mark.slow
 def test_engine_runs_the_current_policy_after_every_sync(tmp_path, tiny_model):
     out = in_fresh_process(_sync_check, str(tmp_path), str(tiny_model), timeout=600)
     print("sync check:", out)
@@ -242,6 +243,7 @@ def test_single_pass_update_that_skips_zero_advantages_has_the_full_gradient(tin
     assert out["single_vs_by_hand"] < 1e-6 * max(1.0, out["grad_norm"])
 
 
+@pytest.mark.slow
 def test_two_ranks_match_one_rank(tmp_path, tiny_model):
     """One GRPO update on a fixed batch of 8 episodes: split over two ranks (each holding half of
     every group, so the advantages need the other rank's rewards) it gives the same gradient as

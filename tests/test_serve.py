@@ -180,6 +180,7 @@ def base() -> str:
 
 # ----------------------------------------------------------------------------- serving
 
+@pytest.mark.slow
 def test_base_and_adapter_answer_a_chat_with_an_image(server, base):
     messages = first_turns(1)[0]
     base_reply = server.reply(base, messages)
@@ -189,6 +190,7 @@ def test_base_and_adapter_answer_a_chat_with_an_image(server, base):
     assert server.reply(f"{base}:inside", messages) == adapter_reply  # a link that stays inside the root
 
 
+@pytest.mark.slow
 def test_trainer_export_replays_the_trainer_eval(server, base, trained_run):
     from safetensors.torch import load_file
 
@@ -208,6 +210,7 @@ def test_trainer_export_replays_the_trainer_eval(server, base, trained_run):
     assert model in {m["id"] for m in server.request("/v1/models", method="GET")[1]["data"]}
 
 
+@pytest.mark.slow
 def test_eval_over_http_matches_the_in_process_eval(server, base, adapter_root, trained_run, engine, warm_start):
     from transformers import AutoProcessor
 
@@ -222,6 +225,7 @@ def test_eval_over_http_matches_the_in_process_eval(server, base, adapter_root, 
     assert [row["replies"] for row in served["mazes"]] != [row["replies"] for row in base_rows]
 
 
+@pytest.mark.slow
 def test_an_adapter_trained_on_another_base_is_refused(server, base, warm_start, tiny_model):
     status, body = server.chat(f"{base}:other_base", first_turns(1)[0])
     assert status == 400, (status, body)
@@ -231,6 +235,7 @@ def test_an_adapter_trained_on_another_base_is_refused(server, base, warm_start,
     assert server.chat(f"{base}:a", first_turns(1)[0], max_tokens=2)[0] == 200  # the right base: served
 
 
+@pytest.mark.slow
 def test_two_adapters_side_by_side_match_offline_greedy(server, base, adapter_root, engine):
     from vllm import SamplingParams
 
@@ -247,6 +252,7 @@ def test_two_adapters_side_by_side_match_offline_greedy(server, base, adapter_ro
         assert reply == offline[name][i], f"adapter {name}, conversation {i}"
 
 
+@pytest.mark.slow
 def test_64_concurrent_requests_are_all_answered(server, base, adapter_root, engine):
     from vllm import SamplingParams
 
@@ -283,6 +289,7 @@ def long_conversations(n: int, turns: int) -> list:
     return conversations
 
 
+@pytest.mark.slow
 def test_seeded_sampling_of_long_conversations(server, base):
     # more prompt tokens at once than vLLM's default step budget on CPU: a split prefill of a
     # seeded request used to kill the engine
@@ -298,6 +305,7 @@ def test_seeded_sampling_of_long_conversations(server, base):
     assert sum(body["usage"]["prompt_tokens"] for _, body in answers) > 4096
 
 
+@pytest.mark.slow
 def test_an_adapter_rewritten_while_served_is_served_anew(server, base, adapter_root, engine):
     """A resumed run redoes a step and replaces adapters/step_N (a new dir renamed over the old):
     the next request gets the new weights, not the ones vLLM loaded under that name before."""
@@ -318,6 +326,7 @@ def test_an_adapter_rewritten_while_served_is_served_anew(server, base, adapter_
         server.log.read_text()
 
 
+@pytest.mark.slow
 def test_a_broken_adapter_config_is_named_and_the_rest_served(server, base):
     log = server.log.read_text()
     assert "[serve] adapter broken: skipped: adapter_config.json is not a PEFT LoRA config" in log
@@ -327,6 +336,7 @@ def test_a_broken_adapter_config_is_named_and_the_rest_served(server, base):
 
 # ----------------------------------------------------------------------------- refusals
 
+@pytest.mark.slow
 def test_bad_requests_get_a_clear_4xx_and_the_server_keeps_serving(server, base, adapter_root, warm_start):
     messages = [{"role": "user", "content": "hello"}]
     expect_404 = [f"{base}:nope", f"{base}:../x", f"{base}:a/../b", f"{base}:/etc", f"{base}:escape",

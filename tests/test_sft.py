@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from transformers import AutoProcessor, GenerationConfig
 
 import env
@@ -75,6 +76,7 @@ def test_detours_leave_the_path_for_several_moves(tiny_model):
     assert longest >= 2  # detours of several wrong moves in a row, not single random moves
 
 
+@pytest.mark.slow
 def test_sft_then_grpo_smoke_in_the_visgym_style(tmp_path, tiny_model):
     """A few SFT steps write an ordinary HF model that train.py starts GRPO from; the whole
     pipeline in the VisGym-compatible style (its mazes, 25 px drawing, texts and parser). The SFT

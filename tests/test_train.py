@@ -48,6 +48,7 @@ def lora_b_norm(adapter_file: Path) -> float:
 
 # ----------------------------------------------------------------------------- resume
 
+@pytest.mark.slow
 def test_resume_is_exact_with_real_updates(tmp_path, warm_start):
     """4 steps straight == a run SIGKILLed after its step-2 checkpoint and restarted: the same
     LoRA weights, Adam moments, LR schedule, step count and maze stream, and the same metrics.
@@ -119,6 +120,7 @@ def test_resume_is_exact_with_real_updates(tmp_path, warm_start):
     assert summary["steps"] == 4 and summary["steps_s"] == pytest.approx(sum(m["step_s"] for m in b), abs=0.1)
 
 
+@pytest.mark.slow
 def test_a_damaged_checkpoint_and_changed_settings_on_resume(tmp_path, warm_start):
     """The newest checkpoint damaged after it was written: the restart says so in one line and
     resumes from the one before. A restart with another learning rate is refused, unless asked."""
@@ -158,6 +160,7 @@ def _train_in_process(argv: list, negate: bool, results):
     results.put("done")
 
 
+@pytest.mark.slow
 def test_grpo_learns_a_small_pool(tmp_path, warm_start):
     """GRPO on 4 training mazes played over and over: the sampled solve rate on them climbs by a
     margin that a zero update, a stale sync or a flipped advantage sign cannot give; with the sign
@@ -197,6 +200,7 @@ def test_grpo_learns_a_small_pool(tmp_path, warm_start):
 
 # ----------------------------------------------------------------------------- two processes
 
+@pytest.mark.slow
 def test_two_processes(tmp_path, warm_start):
     """torchrun with 2 ranks at the main job's temperature (0.5: the engines report the tempered
     log-probs, logprobs_mode="processed_logprobs"): both ranks' groups in the statistics, a real
