@@ -2,8 +2,9 @@
 
     python experiments/gradient_probe.py --model runs/main/sft/model [--n 64] [--out docs/results/gradient_probe.json]
 
-On the teacher-forced shortest path of each of the first n training mazes (the conversation a
-demonstration has, full history, as sft.py and experiments/forks.py build it), at every action
+On the teacher-forced shortest path of each of the first n training mazes that fit the turn limit
+(3 of the first 64 do not: their shortest path takes 17 turns), the conversation a demonstration
+has (full history, as sft.py and experiments/forks.py build it), at every action
 token (the one right after `<answer>`), with the gradient restricted to the LoRA parameters of
 the main job's adapter (rank 8, alpha 16, the language model's projections; at PEFT's start, B = 0,
 the adapter of a first GRPO step; or `--adapter`, a trained one):
@@ -57,7 +58,6 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import env  # noqa: E402
-from experiments.eval_policy import mazes_played  # noqa: E402
 from experiments.forks import turn_kinds  # noqa: E402
 
 KINDS = ("sft", "pg_exact", "grpo8_exact", "grpo8_a", "grpo8_b", "branch", "branch_best")
@@ -299,7 +299,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, help="the warm start (HF model directory)")
     parser.add_argument("--adapter", default="", help="a trained PEFT LoRA to probe at; empty: a fresh one (B = 0)")
-    parser.add_argument("--n", type=int, default=64, help="the first n training mazes")
+    parser.add_argument("--n", type=int, default=64,
+                        help="the first n training mazes whose shortest path (stop included) fits --max-turns")
     parser.add_argument("--difficulty", default="small", choices=list(env.DIFFICULTY_SIZES))
     parser.add_argument("--temperature", type=float, default=0.5, help="the training temperature")
     parser.add_argument("--gamma", type=float, default=0.95)
@@ -316,10 +317,17 @@ def main():
     model_path = policy.resolve_model(args.model, collective=False)
     chat = rollout.ChatFormat.for_model(model_path)
     model = lora_policy(model_path, args.adapter, seed=args.seed)
-    mazes = mazes_played(args.difficulty, args.n, "training")
+    mazes, skipped, stream = [], 0, env.TrainMazeStream(args.difficulty)
+    while len(mazes) < args.n:  # the first n training mazes whose shortest path fits the turn limit
+        maze = stream.next()
+        if len(env.solve(maze)) <= args.max_turns:
+            mazes.append(maze)
+        else:
+            skipped += 1
     report = probe(model, chat, mazes, temperature=args.temperature, gamma=args.gamma, max_turns=args.max_turns,
                    group=args.group_size, seed=args.seed)
-    report.update(model=args.model, adapter=args.adapter, difficulty=args.difficulty, mazes_played="training")
+    report.update(model=args.model, adapter=args.adapter, difficulty=args.difficulty, mazes_played="training",
+                  skipped_too_long=skipped)
     print_report(report)
     if args.out:
         out = Path(args.out)
