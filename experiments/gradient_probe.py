@@ -43,10 +43,8 @@ import argparse
 import itertools
 import json
 import math
-import os
 import random
 import sys
-import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -330,12 +328,11 @@ def main():
                   skipped_too_long=skipped)
     print_report(report)
     if args.out:
+        import checkpoint
+
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=out.name + ".tmp-")
-        with os.fdopen(fd, "w") as f:
-            json.dump(report, f, indent=1)
-        os.replace(tmp, out)
+        checkpoint.atomic_write_text(out, json.dumps(report, indent=1))
 
 
 if __name__ == "__main__":
