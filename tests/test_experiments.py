@@ -2,6 +2,7 @@
 
 import collections
 import json
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -152,3 +153,76 @@ def test_forks_sorts_the_shortest_path_turns_by_how_deep_the_wrong_branch_goes(t
     refused = subprocess.run([sys.executable, "experiments/forks.py", "--model", str(tiny_model), "--n", "2",
                               "--adapter", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert refused.returncode != 0 and "not a PEFT adapter directory" in refused.stderr
+
+
+def test_gradient_probe_estimators_are_what_their_equations_say():
+    """experiments/gradient_probe.py's estimator algebra, without a model: the oracle ranks the
+    solver's move first; the enumerated expectation of the 8-sample GRPO estimator is the mean of
+    its draws; with a 0/1 oracle the exact on-policy gradient is p * grad log pi(right) (the
+    p(1 - p) scaling of the issue: the SFT direction, p times as long)."""
+    import numpy as np
+
+    from experiments.gradient_probe import estimator_coefficients, grpo_coefficients, oracle_values, path_states
+
+    maze = env.TrainMazeStream("small").next()
+    states = path_states(maze)
+    for s in states:
+        q = oracle_values(maze, s["cell"], s["turn"], 15, 0.95)
+        assert np.argmax(q) == s["right"] and q[s["right"]] > np.delete(q, s["right"]).max()
+    assert oracle_values(maze, maze.goal, 0, 15, 0.95)[-1] == 1.0 and oracle_values(maze, maze.start, 0, 15, 0.95)[-1] == 0
+    assert not oracle_values(maze, maze.start, 14, 15, 0.95)[:4].any()  # no turn left to get there
+
+    rng = np.random.default_rng(0)
+    pi = np.array([0.55, 0.25, 0.12, 0.05, 0.03])
+    q = np.array([0.9, 0.0, 0.8, 0.5, 0.0])
+    exact = estimator_coefficients(q, pi, 0, [0, 2, 3], 0.5, 8, rng)
+    draws = np.mean([grpo_coefficients(rng.multinomial(8, pi), q, 0.5) for _ in range(20000)], axis=0)
+    assert np.abs(draws - exact["grpo8_exact"]).max() < 0.02 * np.abs(exact["grpo8_exact"]).max()
+
+    basis = rng.normal(size=(7, 50))
+    basis[5] = pi @ basis[:5]  # grad E_pi_T[z] when the five actions hold all the mass
+    indicator = (np.arange(5) == 3).astype(float)
+    c = estimator_coefficients(indicator, pi, 3, [0, 3], 0.5, 8, rng)
+    from experiments.gradient_probe import grad_log_pi
+
+    np.testing.assert_allclose(c["pg_exact"] @ basis, pi[3] * grad_log_pi(3, 0.5) @ basis, atol=1e-12)
+
+
+def test_gradient_probe_gradients_match_autograd_on_the_warm_start(warm_start):
+    """On a real shortest path, a state's SFT gradient assembled from the probe's seven vectors is
+    the gradient autograd gives log pi_1(right) directly, only LoRA parameters carry it, and the
+    probe's sets add up (wrong forks are the forks greedy play gets wrong)."""
+    import numpy as np
+    import torch
+
+    import policy
+    import rollout
+    import sft
+    from experiments.gradient_probe import grad_log_pi, lora_policy, path_states, probe, state_vectors
+
+    chat = rollout.ChatFormat.for_model(str(warm_start))
+    model = lora_policy(str(warm_start))
+    maze = env.TrainMazeStream("small").next()
+    states, vectors = path_states(maze), state_vectors(model, chat, maze, 0.5, 15)
+    assert len(states) == len(vectors)
+    i = next(k for k, s in enumerate(states) if s["kind"].startswith("fork"))
+    assembled = grad_log_pi(states[i]["right"], 1.0) @ vectors[i]["basis"]
+
+    reply_ids, answer_id = sft.reply_tokens(chat)
+    sequences = sft.demonstration(maze, chat, reply_ids, random.Random(0), max_turns=15, max_images=None,
+                                  cell_px=env.CELL_PX_TINY, noise=0.0)
+    inputs, mask, _ = policy.Batch(sequences, chat.processor).micro([0], torch.device("cpu"))
+    logits = model(**inputs).logits[0, :-1]
+    position = ((mask[0] > 0) & (inputs["input_ids"][0, :-1] == answer_id)).nonzero().flatten()[i]
+    torch.log_softmax(logits[position], -1)[inputs["input_ids"][0, position + 1]].backward()
+    direct = torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.requires_grad]).double().numpy()
+    assert all(p.grad is None for n, p in model.named_parameters() if "lora" not in n)
+    assert np.abs(direct).max() > 0
+    np.testing.assert_allclose(assembled, direct, rtol=1e-4, atol=1e-6 * np.abs(direct).max())
+
+    report = probe(model, chat, [maze])
+    sets = report["sets"]
+    assert sets["all"]["states"] == len(states)
+    assert sets["fork"]["states"] == sum(s["kind"].startswith("fork") for s in states)
+    assert sets["wrong_fork"]["states"] == sets["fork"]["states"] - sets["fork"]["greedy_right"]
+    assert sets["all"]["kinds"]["sft"]["summed_cos_to_sft"] == pytest.approx(1.0)
