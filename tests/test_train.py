@@ -192,7 +192,8 @@ def test_grpo_learns_a_small_pool(tmp_path, warm_start):
     # (contrast exactly 0) and a sign bug makes GRPO the worse one. The margin is 3 standard
     # errors of the difference of two rates over 4 steps x 32 episodes (binomial, an upper bound
     # for fixed mazes), not a number tuned to one machine's warm start. Where this was written the
-    # lead was ~6 SE (print with -s), so a false failure, falling 3 SE short of it, has p ~1e-3.
+    # lead was 7 SE (0.48 against 0.11, SE 0.052; print with -s), so a false failure needs a run
+    # 4 SE below that: p ~3e-5.
     n = 4 * 4 * 8
     se = ((last * (1 - last) + last_f * (1 - last_f)) / n) ** 0.5
     assert last - last_f > 3 * max(se, 1 / n), (last, last_f, se)
