@@ -287,7 +287,7 @@ def test_each_engine_sleep_mode_makes_the_vllm_calls_it_documents():
         rollout.EngineSleep("level2", on_gpu=True)
     import train
 
-    with pytest.raises(SystemExit, match="engine_sleep must be one of.*\n.*mismatch_bound and mismatch_steps"):
+    with pytest.raises(SystemExit, match="engine_sleep must be one of.*; mismatch_bound and mismatch_steps"):
         train.Config(engine_sleep="level2", mismatch_steps=-1).validate(1)
     # none leaves vLLM's sleep-mode allocator out; the others ask for it
     args = rollout.engine_arguments("m", max_model_len=64, max_lora_rank=8, seed=0, on_gpu=True, sleep_mode=False)
