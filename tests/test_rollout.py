@@ -66,18 +66,15 @@ def test_reply_seeds_are_distinct_within_and_across_groups():
 
 
 def _first_reply_logprob(model, processor, chat, episode, temperature: float) -> float:
-    """log P(the episode's first reply) under the distribution the engine sampled it from:
-    softmax((logits + bias) / T), the -100 bias on vision tokens applied before the temperature as
-    vLLM's sampler does, recomputed by the trainer's model (fp32: equal to vLLM's to ~1e-7)."""
+    """log P(the episode's first reply) under the distribution the engine sampled it from,
+    recomputed by the trainer (policy.sequence_logprobs: at T != 1 with the engine's vision-token
+    bias, applied before the temperature as vLLM's sampler does; fp32, equal to vLLM's to ~1e-7)."""
     inputs, mask, _ = policy.Batch(episode.sequences, processor).micro([0], torch.device("cpu"))
     with torch.no_grad():
-        logits = model(**inputs).logits[0, :-1].float()
-    logits[:, list(chat.banned_token_ids)] += rollout.VISION_TOKEN_BIAS
-    logprobs = torch.log_softmax(logits / temperature, dim=-1)
-    targets = inputs["input_ids"][0, 1:]
+        logprobs = policy.sequence_logprobs(model, inputs, temperature, chat.banned_token_ids)[0]
     first = mask[0].nonzero().flatten()[:len(episode.reply_ids[0])]
-    assert targets[first].tolist() == episode.reply_ids[0]
-    return logprobs[first, targets[first]].sum().item()
+    assert inputs["input_ids"][0, 1:][first].tolist() == episode.reply_ids[0]
+    return logprobs[first].sum().item()
 
 
 def test_group_members_play_the_same_maze_with_different_samples(engine, warm_start):
