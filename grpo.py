@@ -1,7 +1,11 @@
-"""GRPO math: group-relative advantages, the PPO-clip policy loss, KL, token log-probs.
+"""GRPO math: finished episodes -> per-token advantages, the PPO-clip policy loss, KL, log-probs.
 
-Everything here is plain tensor math with no model or engine in sight, so it can be
-read top to bottom and unit-tested on CPU. Shapes: B sequences, T token positions.
+    experiences, stats = episode_experiences(episodes, gamma=0.95, step_adv_weight=1.0)
+    loss, metrics = policy_loss(logprobs, old_logprobs, advantages, response_mask, ...)
+
+Everything here is plain tensor math with no model or engine in sight (an episode is read only
+for its rewards, the cells it visited and its sequences' masks), so it can be read top to bottom
+and unit-tested on CPU. Shapes: B sequences, T token positions.
 
 References
   GRPO       Shao et al. 2024, "DeepSeekMath" (arXiv:2402.03300), Sec. 4.1
@@ -16,6 +20,8 @@ References
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -131,16 +137,6 @@ def discounted_returns(turn_rewards: list[float], gamma: float) -> list[float]:
     return returns
 
 
-def progress_rewards(distances: list[int], coef: float) -> list[float]:
-    """A shaping reward per turn for the distance to the goal it covered (Ng et al. 1999's
-    potential-based shaping, potential -coef * distance, undiscounted):
-        r_t = coef * (d_t - d_{t+1})
-    distances: the shortest-path distance to the goal before each turn and after the last (T + 1
-    numbers). A step closer earns +coef, a step away -coef, a bump or a stop 0; over an episode the
-    terms sum to coef * (d_0 - d_T), so walking back and forth earns nothing."""
-    return [coef * (a - b) for a, b in zip(distances, distances[1:])]
-
-
 def step_advantages(returns: Tensor, anchor_ids: Tensor, scale_by_std: bool = True, eps: float = 1e-6) -> Tensor:
     """GiGPO's step-level advantages (Feng et al. 2025, Sec. 3.2), one per turn.
 
@@ -185,6 +181,58 @@ def spread_over_replies(response_mask: list[int], values: list[float]) -> Tensor
 def reply_count(response_mask: list[int]) -> int:
     """How many replies (runs of 1s) a response mask holds."""
     return sum(1 for j, m in enumerate(response_mask) if m and (j == 0 or not response_mask[j - 1]))
+
+
+# ----------------------------------------------------------------------------- episodes -> experiences
+
+@dataclass
+class Experience:
+    """One trained sequence and everything the loss needs of it (one record, as in tiny-grpo).
+
+    Per-token rows are aligned with the trainer's shifted targets: entry j is about token j + 1,
+    the token that position j predicts."""
+    sequence: object  # rollout.Sequence: token ids, response mask, the engine's logprobs, images
+    advantages: Tensor  # [len - 1]: the advantage of each target token (0 off the replies)
+    episode: int  # index of its episode on this rank (mini-batches split episodes, not sequences)
+    old_logprobs: Tensor | None = None  # [len - 1] log pi_old; None: the update is single-pass
+    ref_logprobs: Tensor | None = None  # [len - 1] log pi_ref, for the KL term
+
+
+def episode_experiences(episodes: list, *, gamma: float, step_adv_weight: float,
+                        scale_by_std: bool = True) -> tuple[list[Experience], dict]:
+    """This rank's finished episodes -> one Experience per training sequence, and the step's stats.
+
+    1. The episode advantage A^E_i: the strict reward R_i (1 for stopping on the goal, else 0)
+       normalised within its group, over the episodes of ALL ranks (a collective).
+    2. The step-level advantage A^S_t (GiGPO): each turn's discounted return
+       G_t = gamma^(T-1-t) * R_i normalised within its anchor group, the turns taken from the same
+       cell of the same maze. A group's episodes are all played on one rank, so anchor groups
+       never span ranks.
+    3. Every token of reply t carries A_t = A^E_i + w * A^S_t (turn_values, spread_over_replies).
+    """
+    rewards = torch.tensor([float(e.reward) for e in episodes])
+    episode_adv, stats = gather_group_advantages(rewards, torch.tensor([e.group_id for e in episodes]),
+                                                 scale_by_std=scale_by_std)
+    returns, anchors = [], []
+    for e in episodes:
+        returns += discounted_returns([0.0] * (e.num_turns - 1) + [e.reward], gamma)
+        anchors += [(e.group_id * e.maze.size + r) * e.maze.size + c for r, c in e.states]
+    step_adv = torch.zeros(len(returns), dtype=torch.float64)
+    if step_adv_weight > 0 and returns:
+        step_adv = step_advantages(torch.tensor(returns, dtype=torch.float64), torch.tensor(anchors),
+                                   scale_by_std=scale_by_std)
+    experiences, first_turn = [], 0
+    for i, e in enumerate(episodes):
+        values = turn_values(float(episode_adv[i]), step_adv[first_turn:first_turn + e.num_turns].tolist(),
+                             step_adv_weight)
+        first_turn += e.num_turns
+        for seq in e.sequences:  # an episode's sequences hold its replies in order
+            n = reply_count(seq.response_mask)
+            experiences.append(Experience(seq, spread_over_replies(seq.response_mask, values[:n]), i))
+            values = values[n:]
+    stats.pop("reward_mean")  # the rollout's own metrics report it
+    stats["step_adv_nonzero_frac"] = (step_adv != 0).double().mean().item() if step_adv.numel() else 0.0
+    return experiences, stats
 
 
 # ----------------------------------------------------------------------------- per-token math

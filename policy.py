@@ -4,7 +4,7 @@
     batch = Batch(sequences, processor, model)   # rollout sequences as trainer tensors
     inputs, mask, rollout_lp = batch.micro([0, 1, 2], device)
     logprobs = sequence_logprobs(model, inputs)  # log pi(token) of every target token
-    request, state, stats = sync_adapter(model, engine, shared, step, keep)   # LoRA -> disk -> vLLM
+    path, state, nbytes = publish_adapter(model, shared, step, keep, base)  # LoRA -> shared disk
 
 Only LoRA trains. The base model, the vision tower included, is frozen, which is what makes two
 shortcuts exact: the vision tower's output for an image never changes, so each distinct image is
@@ -16,9 +16,6 @@ the inference engines after each update.
 import functools
 import inspect
 import os
-import shutil
-import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -178,20 +175,6 @@ def check_model_dir(path: Path) -> str:
     return str(path)
 
 
-def check_writable(directory: Path, min_free_mb: int = 64):
-    """Create `directory` and make sure a file can be written there, with some room to spare."""
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-        probe = directory / f".write-check-{os.getpid()}"
-        probe.write_text("ok")
-        probe.unlink()
-    except OSError as e:
-        raise SystemExit(f"{directory}: cannot write there ({e.strerror or e})")
-    free_mb = shutil.disk_usage(directory).free // 2**20
-    if free_mb < min_free_mb:
-        raise SystemExit(f"{directory}: only {free_mb} MB free; checkpoints and adapters need more")
-
-
 def lora_parameters(model) -> list:
     return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
 
@@ -226,19 +209,6 @@ def vision_tower(model):
 
 
 # ----------------------------------------------------------------------------- trainer tensors
-
-@dataclass
-class Experience:
-    """One trained sequence and everything the loss needs of it (one record, as in tiny-grpo).
-
-    Per-token rows are aligned with the trainer's shifted targets: entry j is about token j + 1,
-    the token that position j predicts."""
-    sequence: rollout.Sequence
-    advantages: torch.Tensor  # [len - 1]: the advantage of each target token (0 off the replies)
-    episode: int  # index of its episode on this rank (mini-batches split episodes, not sequences)
-    old_logprobs: torch.Tensor | None = None  # [len - 1] log pi_old; None: the update is single-pass
-    ref_logprobs: torch.Tensor | None = None  # [len - 1] log pi_ref, for the KL term
-
 
 class Batch:
     """Training sequences as trainer tensors.
@@ -442,6 +412,89 @@ def fill_old_logprobs(model, batch: Batch, experiences: list, micro_batch_size: 
 
 
 
+# ----------------------------------------------------------------------------- the update
+
+def make_scheduler(optimizer, cfg):
+    """transformers' schedules: a linear warm-up from 0, then constant or a cosine decay to 0."""
+    from transformers import get_scheduler
+
+    return get_scheduler("cosine" if cfg.lr_schedule == "cosine" else "constant_with_warmup", optimizer,
+                         num_warmup_steps=cfg.warmup_steps,
+                         num_training_steps=cfg.steps * cfg.num_mini_batches * cfg.ppo_epochs)
+
+
+def single_pass(cfg) -> bool:
+    """One optimizer step per rollout batch and no KL term: the policy being updated IS the one
+    that sampled, so pi_old = pi_theta.detach() and the separate old-logprob pass is skipped."""
+    return cfg.num_mini_batches == 1 and cfg.ppo_epochs == 1 and cfg.kl_coef == 0
+
+
+def grpo_update(cfg, model, optimizer, scheduler, batch: Batch, experiences: list, num_episodes: int,
+                device) -> dict:
+    """Mini-batches of episodes (one optimizer step each) of micro-batches of their sequences.
+
+    Without old logprobs (single pass) the ratio is exp(logp - logp.detach()) = 1 with the
+    gradient of logp, and the rollout mismatch is measured on this very forward pass. Sequences
+    whose advantages are all 0 (every member of their group scored the same) are not run when
+    there is no KL term: their loss and gradient are exactly zero. They still count in the
+    normaliser, so the update is the same as if they had been run, only cheaper.
+
+    Otherwise (mini-batches, epochs or a KL term) pi_old, and pi_ref for the KL, are computed
+    first, before the first optimizer step moves the policy (fill_old_logprobs)."""
+    before = {}
+    if not single_pass(cfg):
+        before = fill_old_logprobs(model, batch, experiences, cfg.micro_batch_size, device, cfg.temperature,
+                                   with_ref=cfg.kl_coef > 0)
+    model.train()
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    per_mini = num_episodes // cfg.num_mini_batches
+    stats = {k: [] for k in ("clip_frac", "ratio_mean", "kl", "pg_loss", "tis_weight_mean", "tis_capped_frac",
+                             "grad_norm")}
+    mismatch, trained = MismatchMeter(), 0
+    for mb in [m for _ in range(cfg.ppo_epochs) for m in range(cfg.num_mini_batches)]:
+        in_mini = [i for i, x in enumerate(experiences) if mb * per_mini <= x.episode < (mb + 1) * per_mini]
+        # Normaliser: token-mean divides by the mini-batch's response tokens over ALL ranks
+        # (seq-mean by its sequences), then by world size since FSDP averages gradients.
+        count = sum(sum(experiences[i].sequence.response_mask) if cfg.loss_aggregation == "token-mean" else 1
+                    for i in in_mini)
+        normalizer = distributed.sum_over_ranks([count])[0] / dist.get_world_size()
+        if cfg.kl_coef == 0:
+            in_mini = [i for i in in_mini if bool(experiences[i].advantages.any())]
+        trained += len(in_mini)
+        optimizer.zero_grad(set_to_none=True)
+        for idx in synced_micro_batches(in_mini, cfg.micro_batch_size, batch.length):
+            rows = [0] if idx is None else idx  # a filler runs any one sequence, with weight 0
+            inputs, mask, rollout_lp = batch.micro(rows, device)
+            lp = sequence_logprobs(model, inputs, cfg.temperature, batch.banned_token_ids)
+            xs = [experiences[i] for i in rows]
+            old_lp = lp.detach() if xs[0].old_logprobs is None else pad_rows([x.old_logprobs for x in xs], device)
+            loss, m = grpo.policy_loss(
+                lp, old_lp, pad_rows([x.advantages for x in xs], device), mask,
+                clip_eps_low=cfg.clip_eps_low, clip_eps_high=cfg.clip_eps_high,
+                aggregation=cfg.loss_aggregation, loss_normalizer=normalizer,
+                ref_logprobs=pad_rows([x.ref_logprobs for x in xs], device) if cfg.kl_coef > 0 else None,
+                kl_coef=cfg.kl_coef, rollout_logprobs=rollout_lp, tis_cap=cfg.tis_cap)
+            (loss * (0.0 if idx is None else 1.0)).backward()
+            if idx is None:
+                continue
+            for k in m:
+                stats[k].append(m[k])
+            if xs[0].old_logprobs is None:
+                mismatch.add(lp.detach(), rollout_lp, mask)
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
+        stats["grad_norm"].append((grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm).item())
+        optimizer.step()
+        scheduler.step()
+    neutral = {"ratio_mean": 1.0, "tis_weight_mean": 1.0}  # what a step that trained nothing reports
+    out = {k: sum(v) / len(v) if v else neutral.get(k, 0.0) for k, v in stats.items()}
+    out.update(lr=scheduler.get_last_lr()[0], trained_sequence_frac=trained / max(len(experiences), 1))
+    out.update(mismatch.result() if single_pass(cfg) else before)
+    if torch.cuda.is_available():
+        optimizer.zero_grad(set_to_none=True)  # the gradients are spent: free them for the engine
+        torch.cuda.empty_cache()  # and the trainer's cached blocks (vLLM's wake_up does it too)
+    return out
+
+
 # ----------------------------------------------------------------------------- the adapter
 
 def gather_lora_state(model) -> dict:
@@ -457,13 +510,11 @@ def gather_lora_state(model) -> dict:
     return get_peft_model_state_dict(model, state_dict=full)
 
 
-def sync_adapter(model, engine, shared: Path, step: int, keep: int, base_model: dict):
-    """Write the current LoRA to <shared>/sync/step_<N> and point this rank's engine at it.
-
-    Collective. Returns the new LoRARequest, the full LoRA state and {sync_s, sync_bytes}."""
-    from vllm.lora.request import LoRARequest
-
-    t0 = time.time()
+def publish_adapter(model, shared: Path, step: int, keep: int, base_model: dict) -> tuple[Path, dict, int]:
+    """Write the current LoRA to <shared>/sync/step_<N>, where every rank's engine can read it
+    (rollout.load_adapter). Collective: every rank gathers the full LoRA, rank 0 writes it, and
+    a failed write stops every rank, not only the one that failed. Returns the adapter's
+    directory, the full LoRA state (for checkpoints and exports) and its size in bytes."""
     state = gather_lora_state(model)
     path = shared / "sync" / f"step_{step}"
     error = None
@@ -473,14 +524,7 @@ def sync_adapter(model, engine, shared: Path, step: int, keep: int, base_model: 
             checkpoint.prune(shared / "sync", "step_", keep, current=step)
         except checkpoint.WriteError as e:
             error = str(e)
-    error = distributed.broadcast_object(error)  # every rank stops, not only the one that failed
+    error = distributed.broadcast_object(error)
     if error:
         raise SystemExit(f"LoRA sync failed: {error}")
-    # A NEW id and path per step: vLLM loads an id only once, so re-using an id would silently
-    # keep generating with the old weights (and could reuse their prefix-cache blocks).
-    request = LoRARequest(f"policy-step-{step}", step + 1, str(path))
-    engine.llm_engine.add_lora(request)
-    for old in engine.llm_engine.list_loras() - {request.lora_int_id}:
-        engine.llm_engine.remove_lora(old)
-    nbytes = sum(v.numel() * v.element_size() for v in state.values())
-    return request, state, {"sync_s": time.time() - t0, "sync_bytes": nbytes}
+    return path, state, sum(v.numel() * v.element_size() for v in state.values())

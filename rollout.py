@@ -202,6 +202,20 @@ class EngineSleep:
             self.asleep = False
 
 
+def load_adapter(engine, path, step: int):
+    """Point the engine at the adapter the trainer published for `step` (policy.publish_adapter);
+    returns the LoRARequest every later request names. A NEW id and path per step: vLLM loads an
+    id only once, so re-using an id would silently keep generating with the old weights (and could
+    reuse their prefix-cache blocks). The previous adapters are dropped from the engine."""
+    from vllm.lora.request import LoRARequest
+
+    request = LoRARequest(f"policy-step-{step}", step + 1, str(path))
+    engine.llm_engine.add_lora(request)
+    for old in engine.llm_engine.list_loras() - {request.lora_int_id}:
+        engine.llm_engine.remove_lora(old)
+    return request
+
+
 class OncePerCallSite(logging.Filter):
     """Lets each warning's line of code speak once. vLLM's CPU worker replaces torch.set_num_threads
     with a refusal that warns on every call, and its own input processing calls it twice per prompt

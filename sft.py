@@ -44,6 +44,7 @@ from tqdm import tqdm  # noqa: E402
 import env  # noqa: E402
 import grpo  # noqa: E402
 import policy  # noqa: E402
+import rundir  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent
 
@@ -203,7 +204,7 @@ def main():
 
     model_path = policy.resolve_model(args.model, collective=False)
     out = Path(args.out)
-    policy.check_writable(out)
+    rundir.check_writable(out)
     torch.manual_seed(args.seed)
     rng = random.Random(args.seed)
     chat = rollout.ChatFormat.for_model(model_path)

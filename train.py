@@ -10,10 +10,14 @@ and a whole in-process vLLM engine (rollout.py). One step:
     1. rollouts      every rank plays its share of the step's mazes, group_size episodes each
     2. advantages    rewards are normalised within each group over all ranks (grpo.py), plus
                      GiGPO's step-level term for moves made from the same cell
-    3. update        the PPO-clip loss on the sampled tokens, one optimizer step per mini-batch
-    4. sync          rank 0 writes the LoRA adapter to shared storage; every engine loads it
-                     under a new id, and the next step's logprob mismatch proves it did
-    5. eval / checkpoint / export on their intervals, one metrics line per step
+    3. update        the policy-gradient loss on the sampled tokens (policy.py): by default one
+                     pass and one optimizer step, so the ratio is 1 and the clip never acts; it
+                     does with --num-mini-batches or --ppo-epochs above 1
+    4. sync          rank 0 writes the LoRA adapter to shared storage (policy.py); every engine
+                     loads it under a new id (rollout.py), and the next step's logprob mismatch
+                     proves it did
+    5. eval / checkpoint / export on their intervals (checkpoint.py), one metrics line per step
+       (rundir.py)
 
 On a GPU the engine sleeps while the trainer updates (--engine-sleep: by default its weights go
 to host RAM and its KV cache is dropped; rollout.EngineSleep has the other choices) and wakes up
@@ -32,8 +36,6 @@ default) the old policy is the current one, so there is no separate old-logprob 
 import argparse
 import dataclasses
 import gc
-import json
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,6 +51,7 @@ import distributed  # noqa: E402
 import env  # noqa: E402
 import grpo  # noqa: E402
 import policy  # noqa: E402
+import rundir  # noqa: E402
 from distributed import log0  # noqa: E402
 
 
@@ -81,9 +84,6 @@ class Config:
     kl_coef: float = 0.0  # KL to the base model (LoRA disabled); 0 skips the reference pass
     step_adv_weight: float = 0.0  # GiGPO: A_t = A_episode + w * A_step_t; 0 = plain GRPO
     gamma: float = 0.95  # discount of the per-turn returns G_t = sum_k gamma^(k-t) * r_k
-    # shaping: +c for each step closer to the goal, -c for each step away (grpo.progress_rewards);
-    # training only, evaluation stays strict. 0: the strict reward alone
-    progress_reward: float = 0.0
     tis_cap: float = 2.0  # truncated importance sampling against the engine's logprobs; 0: off
     # optimisation
     lr: float = 1e-4
@@ -144,8 +144,8 @@ class Config:
             problems.append("episodes per rank must divide into num_mini_batches")
         if not (self.temperature > 0 and self.sampled_eval_temperature > 0):
             problems.append("temperature and sampled_eval_temperature must be > 0 (greedy evaluation is separate)")
-        if self.step_adv_weight < 0 or not 0 < self.gamma <= 1 or self.progress_reward < 0:
-            problems.append("step_adv_weight and progress_reward must be >= 0 and gamma in (0, 1]")
+        if self.step_adv_weight < 0 or not 0 < self.gamma <= 1:
+            problems.append("step_adv_weight must be >= 0 and gamma in (0, 1]")
         if self.loss_aggregation not in ("token-mean", "seq-mean"):
             problems.append("loss_aggregation must be token-mean or seq-mean")
         if self.lr_schedule not in ("constant", "cosine"):
@@ -185,117 +185,13 @@ def parse_config(argv=None) -> Config:
     return Config(**vars(parser.parse_args(argv)))
 
 
-# ----------------------------------------------------------------------------- experiences
-
-def turn_rewards(cfg: Config, e) -> list[float]:
-    """The reward of each turn of an episode: the strict reward R at its last turn, plus the
-    progress shaping term of every turn when --progress-reward is set."""
-    rewards = [0.0] * e.num_turns
-    if cfg.progress_reward > 0:
-        distance = env.goal_distances(e.maze)
-        rewards = grpo.progress_rewards([distance[c] for c in e.states + [e.end_cell]], cfg.progress_reward)
-    rewards[-1] += e.reward
-    return rewards
-
-
-def make_experiences(cfg: Config, episodes: list, advantages: torch.Tensor, rewards: list) -> tuple[list, dict]:
-    """One Experience per training sequence, its per-token advantages filled in.
-
-    Every turn t of an episode gets A_t = A_episode + w * A_step_t (grpo.turn_values). The
-    step-level anchors are (group, agent cell): the same maze, the agent on the same cell; a
-    group's episodes are all played on one rank, so anchor groups never span ranks. rewards[i]
-    holds episode i's turn rewards (turn_rewards)."""
-    step_adv = torch.zeros(sum(e.num_turns for e in episodes), dtype=torch.float64)
-    if cfg.step_adv_weight > 0:
-        returns, anchors = [], []
-        for e, episode_rewards in zip(episodes, rewards):
-            returns += grpo.discounted_returns(episode_rewards, cfg.gamma)
-            anchors += [(e.group_id * e.maze.size + r) * e.maze.size + c for r, c in e.states]
-        step_adv = grpo.step_advantages(torch.tensor(returns, dtype=torch.float64), torch.tensor(anchors),
-                                        scale_by_std=cfg.scale_adv_by_std)
-    experiences, first_turn = [], 0
-    for i, e in enumerate(episodes):
-        values = grpo.turn_values(float(advantages[i]), step_adv[first_turn:first_turn + e.num_turns].tolist(),
-                                  cfg.step_adv_weight)
-        first_turn += e.num_turns
-        for seq in e.sequences:  # an episode's sequences hold its replies in order
-            n = grpo.reply_count(seq.response_mask)
-            experiences.append(policy.Experience(seq, grpo.spread_over_replies(seq.response_mask, values[:n]), i))
-            values = values[n:]
-    nonzero = (step_adv != 0).double().mean().item() if step_adv.numel() else 0.0
-    return experiences, {"step_adv_nonzero_frac": nonzero}
-
-
-def single_pass(cfg) -> bool:
-    """One optimizer step per rollout batch and no KL term: the policy being updated IS the one
-    that sampled, so pi_old = pi_theta.detach() and the separate old-logprob pass is skipped."""
-    return cfg.num_mini_batches == 1 and cfg.ppo_epochs == 1 and cfg.kl_coef == 0
-
-
-def grpo_update(cfg, model, optimizer, scheduler, batch: policy.Batch, experiences: list, num_episodes: int,
-                device) -> dict:
-    """Mini-batches of episodes (one optimizer step each) of micro-batches of their sequences.
-
-    Without old logprobs (single pass) the ratio is exp(logp - logp.detach()) = 1 with the
-    gradient of logp, and the rollout mismatch is measured on this very forward pass. Sequences
-    whose advantages are all 0 (every member of their group scored the same) are not run when
-    there is no KL term: their loss and gradient are exactly zero. They still count in the
-    normaliser, so the update is the same as if they had been run, only cheaper."""
-    model.train()
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    per_mini = num_episodes // cfg.num_mini_batches
-    stats = {k: [] for k in ("clip_frac", "ratio_mean", "kl", "pg_loss", "tis_weight_mean", "tis_capped_frac",
-                             "grad_norm")}
-    mismatch, trained = policy.MismatchMeter(), 0
-    for mb in [m for _ in range(cfg.ppo_epochs) for m in range(cfg.num_mini_batches)]:
-        in_mini = [i for i, x in enumerate(experiences) if mb * per_mini <= x.episode < (mb + 1) * per_mini]
-        # Normaliser: token-mean divides by the mini-batch's response tokens over ALL ranks
-        # (seq-mean by its sequences), then by world size since FSDP averages gradients.
-        count = sum(sum(experiences[i].sequence.response_mask) if cfg.loss_aggregation == "token-mean" else 1
-                    for i in in_mini)
-        normalizer = distributed.sum_over_ranks([count])[0] / dist.get_world_size()
-        if cfg.kl_coef == 0:
-            in_mini = [i for i in in_mini if bool(experiences[i].advantages.any())]
-        trained += len(in_mini)
-        optimizer.zero_grad(set_to_none=True)
-        for idx in policy.synced_micro_batches(in_mini, cfg.micro_batch_size, batch.length):
-            rows = [0] if idx is None else idx  # a filler runs any one sequence, with weight 0
-            inputs, mask, rollout_lp = batch.micro(rows, device)
-            lp = policy.sequence_logprobs(model, inputs, cfg.temperature, batch.banned_token_ids)
-            xs = [experiences[i] for i in rows]
-            old_lp = lp.detach() if xs[0].old_logprobs is None else policy.pad_rows([x.old_logprobs for x in xs], device)
-            loss, m = grpo.policy_loss(
-                lp, old_lp, policy.pad_rows([x.advantages for x in xs], device), mask,
-                clip_eps_low=cfg.clip_eps_low, clip_eps_high=cfg.clip_eps_high,
-                aggregation=cfg.loss_aggregation, loss_normalizer=normalizer,
-                ref_logprobs=policy.pad_rows([x.ref_logprobs for x in xs], device) if cfg.kl_coef > 0 else None,
-                kl_coef=cfg.kl_coef, rollout_logprobs=rollout_lp, tis_cap=cfg.tis_cap)
-            (loss * (0.0 if idx is None else 1.0)).backward()
-            if idx is None:
-                continue
-            for k in m:
-                stats[k].append(m[k])
-            if xs[0].old_logprobs is None:
-                mismatch.add(lp.detach(), rollout_lp, mask)
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
-        stats["grad_norm"].append((grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm).item())
-        optimizer.step()
-        scheduler.step()
-    neutral = {"ratio_mean": 1.0, "tis_weight_mean": 1.0}  # what a step that trained nothing reports
-    out = {k: sum(v) / len(v) if v else neutral.get(k, 0.0) for k, v in stats.items()}
-    out.update(lr=scheduler.get_last_lr()[0], trained_sequence_frac=trained / max(len(experiences), 1))
-    if single_pass(cfg):
-        out.update(mismatch.result())
-    return out
-
-
 # ----------------------------------------------------------------------------- evaluation
 
 def evaluate(cfg, engine, chat, lora_request, step: int, out: Path, run: dict | None = None) -> dict:
     """Greedy play of the fixed evaluation mazes, split over ranks, through the chat API exactly as
     `serve.py eval` plays them over HTTP (rollout.play_chat_episodes); rank 0 writes the JSON.
     With sampled_eval_samples, also the mean solve rate of that many sampled episodes per maze.
-    The file also names the run, adapter and base it played (checkpoint.eval_file)."""
+    The file also names the run, adapter and base it played (rundir.eval_file)."""
     mazes = env.eval_mazes(cfg.difficulty, cfg.eval_mazes, cfg.env_style)
     mine = list(range(dist.get_rank(), len(mazes), dist.get_world_size()))
     episodes = rollout.play_chat_episodes(
@@ -316,19 +212,50 @@ def evaluate(cfg, engine, chat, lora_request, step: int, out: Path, run: dict | 
         result["sampled_solve_rate"] = solved / total
         result["sampled_temperature"] = cfg.sampled_eval_temperature
     if dist.get_rank() == 0:
-        checkpoint.eval_file(out, result, run or {"run_id": None, "base": None}, lora_request)
+        rundir.eval_file(out, result, run or {"run_id": None, "base": None}, lora_request)
+    log0(f"eval step {step}: solved {result['solved']}/{result['total']}")
     return result
 
 
 # ----------------------------------------------------------------------------- the loop
 
-def make_scheduler(optimizer, cfg: Config):
-    """transformers' schedules: a linear warm-up from 0, then constant or a cosine decay to 0."""
-    from transformers import get_scheduler
+def build_rank_engine(cfg: Config, model_path: str, rank: int):
+    """This rank's vLLM engine, seeded by rank, sized for the run's mazes and turns. vLLM re-seeds
+    the global generators when it starts, so they are put back to what they were (a fresh run's,
+    or the checkpoint's) afterwards."""
+    rng, t0 = checkpoint.rng_states(), time.time()
+    engine = rollout.build_engine(model_path, max_model_len=cfg.max_model_len, max_lora_rank=cfg.lora_rank,
+                                  seed=cfg.seed + rank, gpu_memory_utilization=cfg.gpu_memory_utilization,
+                                  max_images=max(cfg.max_turns, cfg.train_max_turns) + 1, external_launcher=True,
+                                  sleep_mode=cfg.engine_sleep != "none",
+                                  max_image_px=env.DIFFICULTY_SIZES[cfg.difficulty]
+                                  * env.cell_px_of(cfg.env_style, cfg.cell_px),
+                                  # at T = 1 the raw model's log-probs (vLLM's default); at another
+                                  # temperature, those of the distribution it sampled from
+                                  logprobs_mode=rollout.logprobs_mode(cfg.temperature))
+    checkpoint.set_rng_states(rng)
+    log0(f"vLLM engine ready in {time.time() - t0:.1f}s" + ("" if torch.cuda.is_available() else
+         "; CPU: vLLM has no sleep mode here, so the engine and the trainer both stay resident"))
+    return engine
 
-    return get_scheduler("cosine" if cfg.lr_schedule == "cosine" else "constant_with_warmup", optimizer,
-                         num_warmup_steps=cfg.warmup_steps,
-                         num_training_steps=cfg.steps * cfg.num_mini_batches * cfg.ppo_epochs)
+
+def sync(model, engine, shared: Path, step: int, cfg: Config, base: dict):
+    """The LoRA after `step` updates: to shared storage (policy), then into this rank's engine
+    (rollout), under a new id. Returns the engine's LoRARequest, the full LoRA state, the stats."""
+    t0 = time.time()
+    path, lora_state, nbytes = policy.publish_adapter(model, shared, step, cfg.keep_syncs, base)
+    lora_request = rollout.load_adapter(engine, path, step)
+    return lora_request, lora_state, {"sync_s": time.time() - t0, "sync_bytes": nbytes}
+
+
+def step_metrics(metrics: dict, timing: dict, hours: float, on_gpu: bool) -> dict:
+    """The step's line: means over ranks, except the generated tokens and their rate (totals)."""
+    metrics = {**metrics, **timing, "tokens_per_s": metrics["generated_tokens"] / max(timing["rollout_s"], 1e-9),
+               ("gpu_hours" if on_gpu else "process_hours"): hours}
+    metrics = distributed.mean_over_ranks(metrics)
+    world = dist.get_world_size()
+    return {**metrics, "generated_tokens": metrics["generated_tokens"] * world,
+            "tokens_per_s": metrics["tokens_per_s"] * world}
 
 
 def main(cfg: Config):
@@ -340,69 +267,30 @@ def main(cfg: Config):
     cfg.lora_rank = cfg.lora_rank or (32 if cfg.model else 8)
     cfg.lora_alpha = cfg.lora_alpha or 2 * cfg.lora_rank
     base = checkpoint.base_model_record(model_path)
-
-    out = Path(cfg.out_dir)
-    shared = Path(cfg.shared_dir or out / "shared")
-    if rank == 0:
-        policy.check_writable(out)
-    dist.barrier()
+    out, shared = Path(cfg.out_dir), Path(cfg.shared_dir or Path(cfg.out_dir) / "shared")
     # the run lock, the checkpoint to resume from, and no fresh start over another run's files
-    # (before anything is written into the directory)
-    ckpt, run = checkpoint.open_run(out, cfg, base, log=log0)
-    if rank == 0:
-        policy.check_writable(shared)
-    dist.barrier()
-    distributed.check_shared_dir(shared, checkpoint.atomic_write_text)
+    # (all before anything is written into the directory)
+    ckpt, run = rundir.open_run(out, cfg, base, log=log0)
+    rundir.check_shared(shared)
 
-    chat = rollout.ChatFormat.for_model(model_path)
     # The policy first (identical seed on every rank), then this rank's engine (its own seed).
+    chat = rollout.ChatFormat.for_model(model_path)
     model = policy.build_policy(cfg, model_path)
     optimizer = policy.make_optimizer(model, cfg.lr, cfg.weight_decay, cfg.lora_plus_ratio)
-    scheduler = make_scheduler(optimizer, cfg)
+    scheduler = policy.make_scheduler(optimizer, cfg)
     stream = env.TrainMazeStream(cfg.difficulty, eval_n=cfg.eval_mazes, pool=cfg.train_pool, style=cfg.env_style)
-
-    start_step, hours = 0, 0.0
-    if ckpt:
-        start_step, hours = checkpoint.load(Path(ckpt), cfg, model, optimizer, scheduler, stream, log=log0)
-        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        log0(f"resumed from {ckpt} at step {start_step} (training maze stream at {stream.position}"
-             + (f", torchrun restart {restart})" if restart != "0" else ")"))
-    if rank == 0:
-        # one metrics line per step: drop lines of steps that will be redone after a crash, and a
-        # last line that a crash cut short
-        metrics_file = out / "metrics.jsonl"
-        lines = metrics_file.read_text().splitlines() if metrics_file.exists() else []
-        kept = [line for line in lines if (n := checkpoint.metrics_step(line)) is not None and n <= start_step]
-        checkpoint.atomic_write_text(metrics_file, "".join(line + "\n" for line in kept))
-        checkpoint.atomic_write_text(out / "config.json", json.dumps(dataclasses.asdict(cfg), indent=2))
-        from torch.utils.tensorboard import SummaryWriter
-        writer = SummaryWriter(str(out / "tb"), purge_step=start_step + 1)
-
-    t = time.time()
-    rng = checkpoint.rng_states()  # the checkpoint's (or this fresh run's): vLLM re-seeds them on start
-    engine = rollout.build_engine(model_path, max_model_len=cfg.max_model_len, max_lora_rank=cfg.lora_rank,
-                                  seed=cfg.seed + rank, gpu_memory_utilization=cfg.gpu_memory_utilization,
-                                  max_images=max(cfg.max_turns, cfg.train_max_turns) + 1, external_launcher=True,
-                                  sleep_mode=cfg.engine_sleep != "none",
-                                  max_image_px=env.DIFFICULTY_SIZES[cfg.difficulty]
-                                  * env.cell_px_of(cfg.env_style, cfg.cell_px),
-                                  # at T = 1 the raw model's log-probs (vLLM's default); at another
-                                  # temperature, those of the distribution it sampled from
-                                  logprobs_mode=rollout.logprobs_mode(cfg.temperature))
-    checkpoint.set_rng_states(rng)
-    log0(f"vLLM engine ready in {time.time() - t:.1f}s" + ("" if on_gpu else
-         "; CPU: vLLM has no sleep mode here, so the engine and the trainer both stay resident"))
-
+    start_step, hours = checkpoint.load(Path(ckpt), cfg, model, optimizer, scheduler, stream, log=log0) \
+        if ckpt else (0, 0.0)
+    log = rundir.RunLog(out, cfg, start_step) if rank == 0 else None
+    engine = build_rank_engine(cfg, model_path, rank)
     sleeper = rollout.EngineSleep(cfg.engine_sleep, on_gpu, weights_bytes=policy.base_weight_bytes(model), log=log0,
                                   worst_over_ranks=distributed.max_over_ranks)
     guard = policy.StalePolicyGuard(cfg.mismatch_bound, cfg.mismatch_steps, on_gpu)
-    lora_request, lora_state, _ = policy.sync_adapter(model, engine, shared, start_step, cfg.keep_syncs, base)
-    if (start_step == 0 or start_step % cfg.eval_interval == 0) and not checkpoint.has_eval(out, start_step, run):
-        result = evaluate(cfg, engine, chat, lora_request, start_step, out, run)
-        log0(f"eval step {start_step}: solved {result['solved']}/{result['total']}")
+    lora_request, lora_state, _ = sync(model, engine, shared, start_step, cfg, base)
+    if (start_step == 0 or start_step % cfg.eval_interval == 0) and not rundir.has_eval(out, start_step, run):
+        evaluate(cfg, engine, chat, lora_request, start_step, out, run)
 
-    per_rank = cfg.prompts_per_step // world
-    run_start = time.time()
+    per_rank, run_start = cfg.prompts_per_step // world, time.time()
     bar = tqdm(range(start_step, cfg.steps), desc="train", unit="step", initial=start_step, total=cfg.steps,
                disable=not (cfg.progress and rank == 0))
     for step in bar:
@@ -422,81 +310,49 @@ def main(cfg: Config):
         timing["rollout_s"] = time.time() - t0
         metrics.update(rollout.rollout_metrics(episodes))
 
-        # 2. group advantages over all ranks, per-token rows, old (and reference) logprobs
+        # 2. advantages: group-normalised over all ranks, plus GiGPO's step-level term, per token
         t0 = time.time()
-        rewards = [turn_rewards(cfg, e) for e in episodes]
-        advantages, adv_stats = grpo.gather_group_advantages(
-            torch.tensor([sum(r) for r in rewards]), torch.tensor([e.group_id for e in episodes]),
-            scale_by_std=cfg.scale_adv_by_std)
-        experiences, step_stats = make_experiences(cfg, episodes, advantages, rewards)
-        # reward_mean stays the strict reward (the training solve rate); the shaped one is logged apart
-        adv_stats["shaped_reward_mean"] = adv_stats.pop("reward_mean")
-        adv_stats["shaped_reward_std"] = adv_stats.pop("reward_std")
-        metrics.update(adv_stats, **step_stats)
+        experiences, stats = grpo.episode_experiences(episodes, gamma=cfg.gamma, step_adv_weight=cfg.step_adv_weight,
+                                                      scale_by_std=cfg.scale_adv_by_std)
+        metrics.update(stats)
+        timing["advantages_s"] = time.time() - t0
+
+        # 3. the update: the policy-gradient loss on the sampled tokens (policy.grpo_update)
+        t0 = time.time()
         batch = policy.Batch([x.sequence for x in experiences], chat.processor, model)
-        if not single_pass(cfg):
-            metrics.update(policy.fill_old_logprobs(model, batch, experiences, cfg.micro_batch_size, device,
-                                                    cfg.temperature, with_ref=cfg.kl_coef > 0))
-        timing["logprobs_s"] = time.time() - t0
-
-        # 3. the GRPO update
-        t0 = time.time()
-        metrics.update(grpo_update(cfg, model, optimizer, scheduler, batch, experiences, len(episodes), device))
-        timing["update_s"] = time.time() - t0
+        metrics.update(policy.grpo_update(cfg, model, optimizer, scheduler, batch, experiences, len(episodes), device))
         del batch  # its cached image features
+        timing["update_s"] = time.time() - t0
 
-        # 4. LoRA sync through shared storage (the engine is awake again from here to the next update)
-        if on_gpu:
-            optimizer.zero_grad(set_to_none=True)  # the gradients are spent: free them for the engine
-            torch.cuda.empty_cache()  # and the trainer's cached blocks (vLLM's wake_up does it too)
+        # 4. sync: the new LoRA through shared storage into every engine (awake again from here)
         sleeper.wake(engine)
-        lora_request, lora_state, sync_stats = policy.sync_adapter(model, engine, shared, step + 1, cfg.keep_syncs, base)
+        lora_request, lora_state, sync_stats = sync(model, engine, shared, step + 1, cfg, base)
         timing["sync_s"], metrics["sync_bytes"] = sync_stats["sync_s"], sync_stats["sync_bytes"]
 
-        # 5. eval, checkpoint, export on their intervals
-        done = step + 1
-        t0 = time.time()
+        # 5. eval, checkpoint, export on their intervals; one metrics line per step
+        done, t0 = step + 1, time.time()
         if done % cfg.eval_interval == 0 or done == cfg.steps:
-            result = evaluate(cfg, engine, chat, lora_request, done, out, run)
-            metrics["eval_solve_rate"] = result["solve_rate"]
-            log0(f"eval step {done}: solved {result['solved']}/{result['total']}")
-        timing["eval_s"] = time.time() - t0
-        t0 = time.time()
+            metrics["eval_solve_rate"] = evaluate(cfg, engine, chat, lora_request, done, out, run)["solve_rate"]
+        timing["eval_s"], t0 = time.time() - t0, time.time()
         hours += (time.time() - step_start) * world / 3600
         ckpt_tmp = None
         if done % cfg.ckpt_interval == 0 or done == cfg.steps:
             ckpt_tmp = checkpoint.save(cfg, model, optimizer, scheduler, lora_state, done, stream, hours, out, base)
         if rank == 0 and (done % cfg.export_interval == 0 or done == cfg.steps):
             checkpoint.write_adapter(model, lora_state, out / "adapters" / f"step_{done}", base)
-        timing["checkpoint_s"] = time.time() - t0
-
-        # 6. logs: one metrics line per step, TensorBoard, the bar
-        timing["step_s"] = time.time() - step_start
-        metrics.update(timing, tokens_per_s=metrics["generated_tokens"] / max(timing["rollout_s"], 1e-9))
-        metrics["gpu_hours" if on_gpu else "process_hours"] = hours
-        metrics = distributed.mean_over_ranks(metrics)
-        metrics["generated_tokens"] *= world  # totals, not means, for these two
-        metrics["tokens_per_s"] *= world
+        timing["checkpoint_s"], timing["step_s"] = time.time() - t0, time.time() - step_start
+        metrics = step_metrics(metrics, timing, hours, on_gpu)
         if rank == 0:
-            line = {"step": done, **{k: float(f"{v:.6g}") for k, v in metrics.items()},
-                    "maze_seeds": [m.seed for m in mazes], "stream_position": stream.position}
-            with open(out / "metrics.jsonl", "a") as f:
-                f.write(json.dumps(line) + "\n")
-                f.flush()
-                os.fsync(f.fileno())  # on disk before `latest` can name this step
-            if ckpt_tmp:
+            log.step(done, metrics, maze_seeds=[m.seed for m in mazes], stream_position=stream.position)
+            if ckpt_tmp:  # after the step's line is on disk, so that `latest` never names a step it lacks
                 checkpoint.publish(out, ckpt_tmp, done, cfg.keep_checkpoints)
-            for k, v in metrics.items():
-                writer.add_scalar(k, v, done)
-            writer.flush()
             bar.set_postfix(reward=f"{metrics['reward_mean']:.2f}", mismatch=f"{metrics['mismatch_abs_mean']:.1e}",
                             step_s=f"{timing['step_s']:.1f}")
         guard.check(done, metrics["mismatch_abs_mean"])  # the same reduced figure on every rank
 
     bar.close()
     if rank == 0:
-        writer.close()
-        checkpoint.write_summary(cfg.steps, out, time.time() - run_start, hours, on_gpu, log=log0)
+        log.finish(cfg.steps, time.time() - run_start, hours, on_gpu, log=log0)
     # Shut down in order: all ranks done, then the engine (whose teardown may already take the
     # process group down with it), then the group if it is still there.
     dist.barrier()

@@ -3,7 +3,7 @@
     python bench/gpu_mfu.py            # on a GPU: the 8B shape, random weights, ~8k-token sequences
     python bench/gpu_mfu.py --tiny     # anywhere, CPU included: a tiny config, to smoke-test this script
 
-What runs is the trainer's update (policy.build_policy + train.grpo_update) without the rest:
+What runs is the trainer's update (policy.build_policy + policy.grpo_update) without the rest:
 a randomly initialised Qwen3VLForConditionalGeneration of the Qwen3-VL-8B shape (bench/shapes.py;
 built from the config, nothing downloaded), bf16, PEFT LoRA rank 32 on the language model's
 linear layers, FSDP2 on a one-GPU mesh (each decoder layer, then the root; bf16 compute, fp32

@@ -15,7 +15,7 @@ everything short of that, through the project's own code wherever it can:
   sampling, LoRA   SamplingParams as rollout.py makes them; LoRARequest, the resolver API
   process group    distributed.backend(True) routes cpu -> gloo and cuda -> nccl
   trainer          policy.build_policy (FSDP2 on a 2-D mesh), Batch with precomputed image
-                   features, train.grpo_update with TIS, the LoRA gather and a checkpoint round trip,
+                   features, policy.grpo_update with TIS, the LoRA gather and a checkpoint round trip,
                    on the CPU with torch 2.14 and transformers 5.19 (the CPU branch of that code)
 
 vLLM cannot start a CPU engine in this build, and it asks its platform for a device type before it
@@ -171,12 +171,12 @@ def trainer_step(tiny: str):
         for s in sequences:
             lp = policy.sequence_logprobs(model, policy.Batch([s], chat.processor, model).micro([0], "cpu")[0])[0]
             s.rollout_logprobs = [0.0] + [float(x) if m else 0.0 for x, m in zip(lp, s.response_mask[1:])]
-    experiences = [policy.Experience(s, a * torch.tensor(s.response_mask[1:], dtype=torch.float32), i)
+    experiences = [grpo.Experience(s, a * torch.tensor(s.response_mask[1:], dtype=torch.float32), i)
                    for i, (s, a) in enumerate(zip(sequences, [1.0, -1.0, 0.5, 0.0]))]
     optimizer = policy.make_optimizer(model, 1e-2)
-    scheduler = train.make_scheduler(optimizer, cfg)
+    scheduler = policy.make_scheduler(optimizer, cfg)
     batch = policy.Batch(sequences, chat.processor, model)
-    stats = train.grpo_update(cfg, model, optimizer, scheduler, batch, experiences, 4, torch.device("cpu"))
+    stats = policy.grpo_update(cfg, model, optimizer, scheduler, batch, experiences, 4, torch.device("cpu"))
     state = policy.gather_lora_state(model)
     moved = sum(v.abs().sum().item() for k, v in state.items() if "lora_B" in k)
     assert moved > 0, "the update left LoRA B at zero"

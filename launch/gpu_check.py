@@ -15,7 +15,7 @@ the images are real maze renders. What runs is the project's own code, in train.
   policy            policy.wrap_policy: PEFT LoRA, bf16 FSDP2 on the 2-D mesh, gradient checkpointing
   forward           policy.Batch with precomputed image features vs the plain pixel path: the same
                     log-probs (to bf16 precision)
-  update            train.grpo_update on multi-turn sequences with images: real gradients, TIS
+  update            policy.grpo_update on multi-turn sequences with images: real gradients, TIS
                     weights from made-up rollout log-probs, the LoRA moves
   adapter           policy.gather_lora_state + checkpoint.write_adapter (a PEFT directory)
   checkpoint        checkpoint.save / publish / find / verify / load, and the LoRA and Adam state
@@ -152,6 +152,7 @@ def shape_checks(shape: str, device, text: dict, vision: dict, cell_px: int, dif
 
     import checkpoint
     import env
+    import grpo
     import policy
     import train
 
@@ -201,16 +202,16 @@ def shape_checks(shape: str, device, text: dict, vision: dict, cell_px: int, dif
                 s.rollout_logprobs = [0.0] + [(lp[j] + jitter[j]).item() if s.response_mask[j + 1] else 0.0
                                               for j in range(len(lp))]
         advantages = [1.0 if i % 2 == 0 else -1.0 for i in range(n_sequences)]
-        experiences = [policy.Experience(s, a * torch.tensor(s.response_mask[1:], dtype=torch.float32), i)
+        experiences = [grpo.Experience(s, a * torch.tensor(s.response_mask[1:], dtype=torch.float32), i)
                        for i, (s, a) in enumerate(zip(sequences, advantages))]
         optimizer = torch.optim.AdamW([p for _, p in policy.lora_parameters(model)], lr=cfg.lr)
-        scheduler = train.make_scheduler(optimizer, cfg)
+        scheduler = policy.make_scheduler(optimizer, cfg)
         before = policy.gather_lora_state(model)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
             torch.cuda.synchronize(device)
         t = time.time()
-        stats = train.grpo_update(cfg, model, optimizer, scheduler, policy.Batch(sequences, processor, model),
+        stats = policy.grpo_update(cfg, model, optimizer, scheduler, policy.Batch(sequences, processor, model),
                                   experiences, n_sequences, device)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -262,7 +263,7 @@ def shape_checks(shape: str, device, text: dict, vision: dict, cell_px: int, dif
     ok = check(f"{shape}: policy (LoRA + bf16 FSDP2 on the 2-D mesh, gradient checkpointing)", build)
     if ok:
         check(f"{shape}: precomputed image features = pixel path", forward_paths)
-        if check(f"{shape}: train.grpo_update with TIS on multi-turn image sequences", update):
+        if check(f"{shape}: policy.grpo_update with TIS on multi-turn image sequences", update):
             check(f"{shape}: adapter export, checkpoint save/verify/load round trip", adapter_and_checkpoint)
     state.clear()
     if device.type == "cuda":

@@ -16,13 +16,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import checkpoint  # noqa: E402
+import rundir  # noqa: E402
 import env  # noqa: E402
 
 
 def load_evals(run: Path) -> list[dict]:
-    """The run's own evaluations (each file names its run; checkpoint.run_evals)."""
-    return checkpoint.run_evals(run)
+    """The run's own evaluations (each file names its run; rundir.run_evals)."""
+    return rundir.run_evals(run)
 
 
 def plot_curves(run: Path, evals: list[dict]) -> Path:

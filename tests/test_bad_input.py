@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-import checkpoint
+import rundir
 
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
@@ -34,8 +34,8 @@ def places(tmp_path_factory, tiny_model):
     (root / "gone" / "checkpoints").mkdir(parents=True)
     (root / "gone" / "checkpoints" / "latest").write_text("step_4")
     (root / "locked").mkdir()
-    (root / "locked" / checkpoint.LOCK_FILE).write_text(json.dumps(
-        {**checkpoint.process_identity(os.getpid()), "started": "2026-12-02T10:00:00Z"}))
+    (root / "locked" / rundir.LOCK_FILE).write_text(json.dumps(
+        {**rundir.process_identity(os.getpid()), "started": "2026-12-02T10:00:00Z"}))
     readonly = make_read_only(root / "readonly")
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
@@ -138,4 +138,4 @@ def test_the_refused_run_dirs_are_left_as_they_were(places):
     assert sorted(p.name for p in (root / "used").iterdir()) == ["config.json", "eval", "metrics.jsonl"]
     assert (root / "used" / "metrics.jsonl").read_text() == '{"step": 1}\n{"step": 2}\n'
     assert sorted(p.name for p in (root / "gone").rglob("*")) == ["checkpoints", "latest"]
-    assert sorted(p.name for p in (root / "locked").iterdir()) == [checkpoint.LOCK_FILE]
+    assert sorted(p.name for p in (root / "locked").iterdir()) == [rundir.LOCK_FILE]

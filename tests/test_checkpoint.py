@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 import checkpoint
+import rundir
 import train
 
 
@@ -87,9 +88,9 @@ def test_pruning_keeps_the_newest_and_clears_what_a_crash_left(tmp_path):
 
 
 def test_torn_metrics_lines_are_recognised():
-    assert checkpoint.metrics_step('{"step": 3, "reward_mean": 0.5}') == 3
-    assert checkpoint.metrics_step('{"step": 4, "rew') is None and checkpoint.metrics_step("") is None
-    assert checkpoint.metrics_step("[1, 2]") is None
+    assert rundir.metrics_step('{"step": 3, "reward_mean": 0.5}') == 3
+    assert rundir.metrics_step('{"step": 4, "rew') is None and rundir.metrics_step("") is None
+    assert rundir.metrics_step("[1, 2]") is None
 
 
 def test_a_full_disk_leaves_the_previous_adapter_and_says_so(tmp_path, monkeypatch):
@@ -192,17 +193,17 @@ def test_a_fresh_start_never_takes_over_another_runs_files_unasked(tmp_path):
     for resume in ("none", "latest"):  # asked to start over; or its checkpoints were deleted
         with pytest.raises(SystemExit, match=r"holds another run \(metrics.jsonl \(2 steps\), eval/ \(1 entry\), "
                                              r"adapters/ \(1 entry\), config.json\)") as refused:
-            checkpoint._open_run(out, run_settings(resume=resume), {"path": "base"}, log=print)
+            rundir._open_run(out, run_settings(resume=resume), {"path": "base"}, log=print)
         assert "\n" not in str(refused.value) and "--archive-old-run true" in str(refused.value)
         assert {n: (out / n).read_text() for n in files} == files  # nothing touched
     said = []
-    ckpt, run = checkpoint._open_run(out, run_settings(resume="none", archive_old_run=True), {"path": "base"},
+    ckpt, run = rundir._open_run(out, run_settings(resume="none", archive_old_run=True), {"path": "base"},
                                      log=said.append)
     [archive] = list((out / checkpoint.ARCHIVE_DIR).iterdir())
     assert ckpt == "" and said == [f"moved the earlier run's files (metrics.jsonl (2 steps), eval/ (1 entry), "
                                    f"adapters/ (1 entry), config.json) to {archive}"]
     assert {n: (archive / n).read_text() for n in files} == files  # moved, every byte
-    assert not any((out / n).exists() for n in files) and checkpoint.run_record(out)["run_id"] == run["run_id"]
+    assert not any((out / n).exists() for n in files) and rundir.run_record(out)["run_id"] == run["run_id"]
 
 
 def test_a_torchrun_restart_of_a_fresh_run_resumes_its_own_checkpoint(tmp_path, monkeypatch):
@@ -210,59 +211,59 @@ def test_a_torchrun_restart_of_a_fresh_run_resumes_its_own_checkpoint(tmp_path, 
     out.mkdir()
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-1")
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
-    _, run = checkpoint._open_run(out, run_settings(resume="none"), {"path": "base"}, log=print)
+    _, run = rundir._open_run(out, run_settings(resume="none"), {"path": "base"}, log=print)
     used_run_dir(out)  # what the first attempt wrote before it died, no checkpoint yet
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
-    assert checkpoint._open_run(out, run_settings(resume="none"), {"path": "base"}, log=print) == \
+    assert rundir._open_run(out, run_settings(resume="none"), {"path": "base"}, log=print) == \
         ("", {**run, "base": {"path": "base"}})  # starts over in its own files, the same run
     fake_checkpoint(out / "checkpoints", 2)
-    ckpt, again = checkpoint._open_run(out, run_settings(resume="none"), {"path": "base"}, log=print)
+    ckpt, again = rundir._open_run(out, run_settings(resume="none"), {"path": "base"}, log=print)
     assert ckpt == str(out / "checkpoints" / "step_2") and again["run_id"] == run["run_id"]
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-2")  # another torchrun's restart: not this run's
     with pytest.raises(SystemExit, match="holds another run"):
-        checkpoint._open_run(out, run_settings(resume="none"), {"path": "base"}, log=print)
+        rundir._open_run(out, run_settings(resume="none"), {"path": "base"}, log=print)
 
 
 def test_one_trainer_per_run_dir_and_a_dead_ones_lock_is_taken_over(tmp_path, monkeypatch):
     import socket
     import subprocess
 
-    lock = tmp_path / checkpoint.LOCK_FILE
+    lock = tmp_path / rundir.LOCK_FILE
     other = subprocess.Popen(["sleep", "60"])
     try:
-        lock.write_text(json.dumps({**checkpoint.process_identity(other.pid), "started": "then"}))
+        lock.write_text(json.dumps({**rundir.process_identity(other.pid), "started": "then"}))
         with pytest.raises(SystemExit, match=rf"in use by another trainer: pid {other.pid} on "
                                              rf"{socket.gethostname()}, since then"):
-            checkpoint.take_lock(tmp_path)
+            rundir.take_lock(tmp_path)
     finally:
         other.kill()
         other.wait()
     warnings = []
-    assert checkpoint.take_lock(tmp_path, warn=warnings.append) == lock  # its holder is gone now
+    assert rundir.take_lock(tmp_path, warn=warnings.append) == lock  # its holder is gone now
     assert len(warnings) == 1 and f"taking over {lock} from a trainer that is gone: pid {other.pid}" in warnings[0]
     assert json.loads(lock.read_text())["pid"] == os.getpid()
-    checkpoint.release_lock(lock, os.getpid())
+    rundir.release_lock(lock, os.getpid())
     assert not lock.exists()
     # a pid that lives again as another process (its start time differs) is no holder either
-    lock.write_text(json.dumps({**checkpoint.process_identity(os.getppid()), "start_ticks": 1}))
-    assert checkpoint.take_lock(tmp_path, warn=lambda m: None) == lock
-    checkpoint.release_lock(lock, os.getpid())
+    lock.write_text(json.dumps({**rundir.process_identity(os.getppid()), "start_ticks": 1}))
+    assert rundir.take_lock(tmp_path, warn=lambda m: None) == lock
+    rundir.release_lock(lock, os.getpid())
     # on another host nothing can be checked: refuse, unless told to take it over
     lock.write_text(json.dumps({"host": "node-7", "pid": 4242, "started": "then"}))
     with pytest.raises(SystemExit, match="pid 4242 on node-7, since then .*on another host.*--take-over-lock true"):
-        checkpoint.take_lock(tmp_path)
-    assert checkpoint.take_lock(tmp_path, take_over=True, warn=warnings.append) == lock
-    checkpoint.release_lock(lock, os.getpid())
+        rundir.take_lock(tmp_path)
+    assert rundir.take_lock(tmp_path, take_over=True, warn=warnings.append) == lock
+    rundir.release_lock(lock, os.getpid())
     # ... but a Slurm job requeued (onto other nodes) after its first run took the lock: that run is over
     lock.write_text(json.dumps({"host": "node-7", "pid": 4242, "slurm_job": "77", "slurm_restart": 0}))
     with monkeypatch.context() as env:
         env.setenv("SLURM_JOB_ID", "77")
         env.setenv("SLURM_RESTART_COUNT", "0")  # the same run of the job, on another node: a live trainer
         with pytest.raises(SystemExit, match="on another host"):
-            checkpoint.take_lock(tmp_path)
+            rundir.take_lock(tmp_path)
         env.setenv("SLURM_RESTART_COUNT", "1")
-        assert checkpoint.take_lock(tmp_path, warn=lambda m: None) == lock
-    checkpoint.release_lock(lock, os.getpid())
+        assert rundir.take_lock(tmp_path, warn=lambda m: None) == lock
+    rundir.release_lock(lock, os.getpid())
 
 
 def test_only_the_current_runs_evaluations_count(tmp_path):
@@ -271,19 +272,19 @@ def test_only_the_current_runs_evaluations_count(tmp_path):
 
     out = tmp_path / "run"
     out.mkdir()
-    _, run = checkpoint._open_run(out, run_settings(resume="none"), {"path": "base", "fingerprint": "f"}, log=print)
+    _, run = rundir._open_run(out, run_settings(resume="none"), {"path": "base", "fingerprint": "f"}, log=print)
     result = {"step": 0, "solved": 3, "total": 8}
-    written = checkpoint.eval_file(out, result, run, SimpleNamespace(lora_path="shared/sync/step_0"))
+    written = rundir.eval_file(out, result, run, SimpleNamespace(lora_path="shared/sync/step_0"))
     assert written == {**result, "run_id": run["run_id"], "adapter": "shared/sync/step_0",
                        "base": {"path": "base", "fingerprint": "f"}}
     assert json.loads((out / "eval" / "step_0.json").read_text()) == written
     (out / "eval" / "step_4.json").write_text(json.dumps({"step": 4, "solved": 8, "total": 8, "run_id": "another"}))
     (out / "eval" / "step_6.json").write_text(json.dumps({"step": 6, "solved": 8, "total": 8}))  # no run named
-    assert [r["step"] for r in checkpoint.run_evals(out)] == [0]
-    assert checkpoint.has_eval(out, 0, run) and not checkpoint.has_eval(out, 4, run)
+    assert [r["step"] for r in rundir.run_evals(out)] == [0]
+    assert rundir.has_eval(out, 0, run) and not rundir.has_eval(out, 4, run)
     (out / "metrics.jsonl").write_text('{"step": 1, "step_s": 2.0}\n')
-    checkpoint.write_summary(1, out, 2.0, 0.1, False, log=lambda m: None)
+    rundir.write_summary(1, out, 2.0, 0.1, False, log=lambda m: None)
     assert json.loads((out / "summary.json").read_text())["eval"] == {"0": "3/8"}
     # a directory from before runs had ids: every file counts
-    (out / checkpoint.RUN_FILE).unlink()
-    assert [r["step"] for r in checkpoint.run_evals(out)] == [0, 4, 6]
+    (out / rundir.RUN_FILE).unlink()
+    assert [r["step"] for r in rundir.run_evals(out)] == [0, 4, 6]

@@ -32,6 +32,7 @@ def test_on_a_gpu_the_group_is_made_split_and_bound_to_the_device(monkeypatch):
 
 def _record_collectives(model_dir: str, results):
     """A world of one running the trainer's own code paths with every collective recorded."""
+    import grpo
     import policy
     import rollout
     import sft
@@ -54,10 +55,10 @@ def _record_collectives(model_dir: str, results):
     model = policy.build_policy(cfg, model_dir)
     chat = rollout.ChatFormat.for_model(model_dir)
     seqs = sft.demonstrations(chat, 3, max_turns=4)
-    experiences = [policy.Experience(s, torch.tensor(s.response_mask[1:], dtype=torch.float32) * (1 - i), i)
+    experiences = [grpo.Experience(s, torch.tensor(s.response_mask[1:], dtype=torch.float32) * (1 - i), i)
                    for i, s in enumerate(seqs)]
     optimizer = policy.make_optimizer(model, 1e-3)
-    train.grpo_update(cfg, model, optimizer, train.make_scheduler(optimizer, cfg),
+    policy.grpo_update(cfg, model, optimizer, policy.make_scheduler(optimizer, cfg),
                       policy.Batch(seqs, chat.processor, model), experiences, 3, torch.device("cpu"))
     distributed.mean_over_ranks({"a": 1.0})
     distributed.broadcast_object("x")

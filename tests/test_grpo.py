@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from grpo import (  # noqa: E402
     discounted_returns,
-    progress_rewards,
+    episode_experiences,
     gather_group_advantages,
     group_advantages,
     kl_k3,
@@ -70,13 +70,35 @@ def test_discounted_returns():
     assert discounted_returns([-0.1, 0.1, 1.0], 0.5) == pytest.approx([0.2, 0.6, 1.0])
 
 
-def test_progress_rewards_pay_the_distance_covered():
-    # closer, a bump, away, closer, closer, then a stop on the goal
-    distances = [3, 2, 2, 3, 2, 1, 0, 0]
-    r = progress_rewards(distances, 0.1)
-    assert r == pytest.approx([0.1, 0.0, -0.1, 0.1, 0.1, 0.1, 0.0])
-    assert sum(r) == pytest.approx(0.1 * (distances[0] - distances[-1]))  # back and forth earns nothing
-    assert progress_rewards([4, 5, 4, 5], 0.1) == pytest.approx([-0.1, 0.1, -0.1])
+def test_episode_experiences_put_each_turns_advantage_on_its_reply_tokens():
+    """Two groups of two: A^E from the rewards within each group, A^S from the turns that left the
+    same cell, A_t = A^E + w * A^S_t on every token of reply t and nowhere else."""
+    from types import SimpleNamespace
+
+    maze = SimpleNamespace(size=5)
+
+    def episode(group, cells, reward):
+        mask = [0, 0] + [m for _ in cells for m in (1, 1, 0)]  # a 2-token prompt, then reply, observation
+        seq = SimpleNamespace(response_mask=mask)
+        return SimpleNamespace(maze=maze, group_id=group, states=cells, reward=reward, num_turns=len(cells),
+                               sequences=[seq])
+
+    a, b = (0, 0), (0, 1)
+    episodes = [episode(0, [a, b], 1.0), episode(0, [a, a], 0.0),  # same first cell, different outcome
+                episode(1, [a], 0.0), episode(1, [b], 0.0)]  # a group without spread
+    experiences, stats = episode_experiences(episodes, gamma=0.5, step_adv_weight=1.0, scale_by_std=False)
+    assert [x.episode for x in experiences] == [0, 1, 2, 3]
+    # group 0: A^E = +-0.5. Anchor (group 0, cell a) holds three turns with returns
+    # G = 0.5 (episode 0, turn 0), 0 and 0 (episode 1): mean 1/6. Cell b's one turn has no partner.
+    expected = [[0.5 + (0.5 - 1 / 6), 0.5 + 0.0], [-0.5 - 1 / 6, -0.5 - 1 / 6], [0.0], [0.0]]
+    for x, values in zip(experiences, expected):
+        row = x.advantages.tolist()
+        mask = x.sequence.response_mask[1:]
+        replies = [row[j] for j in range(len(row)) if mask[j]]
+        assert replies == pytest.approx([v for v in values for _ in range(2)])
+        assert all(row[j] == 0 for j in range(len(row)) if not mask[j])
+    assert stats["zero_variance_group_frac"] == 0.5 and stats["num_groups"] == 2
+    assert stats["step_adv_nonzero_frac"] == pytest.approx(3 / 6)
 
 
 def test_step_advantages_compare_turns_from_the_same_state():

@@ -1,5 +1,5 @@
 """Imports run one way: the top-level modules never import from launch/ or experiments/, and the
-core (env -> rollout -> grpo -> policy -> train) never imports what comes after it."""
+core (env -> rollout -> grpo -> policy -> checkpoint/rundir -> train) never imports what comes after it."""
 
 import ast
 from pathlib import Path
@@ -13,9 +13,10 @@ ALLOWED = {
     "tiny_model": {"env", "rollout"},
     "rollout": {"env"},
     "checkpoint": {"distributed"},
+    "rundir": {"checkpoint", "distributed"},
     "policy": {"checkpoint", "distributed", "grpo", "rollout", "tiny_model"},
-    "train": {"checkpoint", "distributed", "env", "grpo", "policy", "rollout"},
-    "sft": {"env", "grpo", "policy", "rollout"},
+    "train": {"checkpoint", "distributed", "env", "grpo", "policy", "rollout", "rundir"},
+    "sft": {"env", "grpo", "policy", "rollout", "rundir"},
     "serve": {"checkpoint", "env", "policy", "rollout", "train"},
 }
 

@@ -128,7 +128,11 @@ def _sync_check(shared: str, model_dir: str, results):
             return grpo.logprob_mismatch(lp, rollout_lp, mask)["mismatch_abs_mean"]
 
     out = {}
-    request0, _, _ = policy.sync_adapter(model, engine, Path(shared), 0, 5, base)
+    def sync(step):  # what train.sync does: the LoRA to shared storage, then into the engine
+        path, _, nbytes = policy.publish_adapter(model, Path(shared), step, 5, base)
+        return rollout.load_adapter(engine, path, step), nbytes
+
+    request0, _ = sync(0)
     episodes = play(request0, 0)
     out["before_update"] = trainer_mismatch(episodes)
     # the tiny model puts some mass on the vision tokens: without the engine's bias the trainer's
@@ -146,9 +150,8 @@ def _sync_check(shared: str, model_dir: str, results):
     out["old_samples_after_update"] = trainer_mismatch(episodes)  # the policy really moved
 
     # a fresh rollout through a NEW adapter id and path: the engine runs the updated policy
-    request1, _, stats = policy.sync_adapter(model, engine, Path(shared), 1, 5, base)
+    request1, out["sync_bytes"] = sync(1)
     out["after_sync"] = trainer_mismatch(play(request1, 10))
-    out["sync_bytes"] = stats["sync_bytes"]
 
     # the pitfall: new weights written under a new path but the OLD id -> vLLM keeps the old weights
     from vllm.lora.request import LoRARequest
@@ -213,14 +216,14 @@ def _update_check(model_dir: str, results):
     advantages = [1.0, 0.0, -0.5, 0.0]
 
     def experiences():
-        return [policy.Experience(s, a * torch.tensor(s.response_mask[1:], dtype=torch.float32), i)
+        return [grpo.Experience(s, a * torch.tensor(s.response_mask[1:], dtype=torch.float32), i)
                 for i, (s, a) in enumerate(zip(sequences, advantages))]
 
     rec = GradientRecorder([p for _, p in policy.lora_parameters(model)])
-    stats = train.grpo_update(cfg, model, rec, rec, batch, experiences(), 4, torch.device("cpu"))
+    stats = policy.grpo_update(cfg, model, rec, rec, batch, experiences(), 4, torch.device("cpu"))
     two_pass = experiences()
     policy.fill_old_logprobs(model, batch, two_pass, 2, torch.device("cpu"), 1.0, with_ref=False)
-    train.grpo_update(cfg, model, rec, rec, batch, two_pass, 4, torch.device("cpu"))
+    policy.grpo_update(cfg, model, rec, rec, batch, two_pass, 4, torch.device("cpu"))
     rec.zero_grad()  # by hand: every sequence, normalised by all response tokens
     inputs, mask, _ = batch.micro([0, 1, 2, 3], torch.device("cpu"))
     lp = policy.sequence_logprobs(model, inputs)

@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 import env
+import policy
 import train
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -278,33 +279,6 @@ def test_bad_config_is_a_clear_error():
     assert train.parse_config(["--scale-adv-by-std", "1"]).scale_adv_by_std is True
 
 
-def test_progress_shaping_ranks_episodes_that_all_fail():
-    """With the strict reward two failed episodes are equal (no signal); with --progress-reward the
-    one that got nearer the goal is worth more, and a solve still gets R on its last turn."""
-    from types import SimpleNamespace
-
-    maze = env.eval_mazes("small", 1)[0]
-    path, cell, cells = env.solve(maze)[:-1], maze.start, [maze.start]
-    for action in path:  # the cells along the shortest path
-        cell = (cell[0] + env.MOVE_DELTAS[env.parse_action(action)[1]][0],
-                cell[1] + env.MOVE_DELTAS[env.parse_action(action)[1]][1])
-        cells.append(cell)
-
-    def episode(states, end_cell, reward):
-        return SimpleNamespace(maze=maze, states=states, end_cell=end_cell, reward=reward, num_turns=len(states))
-
-    near = episode(cells[:4], cells[4], 0.0)  # four steps along the path, then the turn limit
-    far = episode(cells[:2] + [cells[2], cells[1]], cells[0], 0.0)  # two steps, then back to the start
-    solved = episode(cells, cells[-1], 1.0)  # the whole path, then a stop on the goal
-    strict, shaped = train.Config(), train.Config(progress_reward=0.1)
-    assert sum(train.turn_rewards(strict, near)) == sum(train.turn_rewards(strict, far)) == 0.0
-    assert sum(train.turn_rewards(shaped, near)) == pytest.approx(0.4)
-    assert sum(train.turn_rewards(shaped, far)) == pytest.approx(0.0)
-    assert train.turn_rewards(shaped, far) == pytest.approx([0.1, 0.1, -0.1, -0.1])
-    assert train.turn_rewards(strict, solved) == [0.0] * (len(cells) - 1) + [1.0]
-    assert sum(train.turn_rewards(shaped, solved)) == pytest.approx(1.0 + 0.1 * len(path))
-
-
 def test_a_misspelt_boolean_is_refused():
     proc = subprocess.run([sys.executable, "train.py", "--scale-adv-by-std", "ture"], cwd=ROOT, capture_output=True,
                           text=True, timeout=120)
@@ -317,7 +291,7 @@ def test_the_lr_schedule_is_transformers_own():
 
     for schedule, name in (("constant", "constant_with_warmup"), ("cosine", "cosine")):
         lrs = []
-        for make in (train.make_scheduler, lambda o, c: get_scheduler(name, o, num_warmup_steps=2,
+        for make in (policy.make_scheduler, lambda o, c: get_scheduler(name, o, num_warmup_steps=2,
                                                                        num_training_steps=c.steps)):
             optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
             cfg = train.Config(lr_schedule=schedule, warmup_steps=2, steps=6)

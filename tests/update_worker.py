@@ -5,7 +5,7 @@
 
 Eight episodes in four groups of two (demonstrations of four training mazes, with detours, and
 made-up rewards); with two ranks each rank holds one member of every group, rank 1 the longer one. The update runs
-through train.grpo_update exactly as in training; the gradient it hands the optimizer is saved.
+through policy.grpo_update exactly as in training; the gradient it hands the optimizer is saved.
 """
 
 import random
@@ -73,9 +73,10 @@ def main(model_dir: str, out: str):
         e.reward = rewards[i]
         episodes.append(e)
     mine = [e for i, e in enumerate(episodes) if i % world == rank]  # one member of each group per rank
-    advantages, _ = grpo.gather_group_advantages(torch.tensor([e.reward for e in mine]),
+    advantages, _ = grpo.gather_group_advantages(torch.tensor([e.reward for e in mine]),  # reported below
                                                  torch.tensor([e.group_id for e in mine]))
-    experiences, _ = train.make_experiences(cfg, mine, advantages, [train.turn_rewards(cfg, e) for e in mine])
+    experiences, _ = grpo.episode_experiences(mine, gamma=cfg.gamma, step_adv_weight=cfg.step_adv_weight,
+                                              scale_by_std=cfg.scale_adv_by_std)
     batch = policy.Batch([x.sequence for x in experiences], chat.processor, model)
 
     names = [n for n, _ in policy.lora_parameters(model)]
@@ -97,7 +98,7 @@ def main(model_dir: str, out: str):
             return [0.0]
 
     rec = Recorder()
-    train.grpo_update(cfg, model, rec, rec, batch, experiences, len(mine), torch.device("cpu"))
+    policy.grpo_update(cfg, model, rec, rec, batch, experiences, len(mine), torch.device("cpu"))
     all_adv = distributed.all_gather_objects([(e.sample_id, float(a)) for e, a in zip(mine, advantages)])
     sequences = int(distributed.sum_over_ranks([len(experiences)])[0])
     if rank == 0:
