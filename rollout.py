@@ -45,6 +45,7 @@ if not torch.cuda.is_available():
 from tqdm import tqdm  # noqa: E402
 
 import env  # noqa: E402
+import visgym  # noqa: E402
 
 # The ranks vLLM's engine takes for max_lora_rank (vllm/config/lora.py: MaxLoRARanks).
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -439,7 +440,7 @@ def play_episodes(engine, chat: ChatFormat, mazes: list, group_ids: list, *, sam
     for maze, group_id in zip(mazes, group_ids):
         for member in range(samples_per_maze):
             episode = Episode(maze=maze, group_id=group_id, sample_id=group_id * samples_per_maze + member)
-            game = env.MazeEnv(maze, max_turns=max_turns, cell_px=cell_px or None, style=style)
+            game = visgym.make_env(maze, style, max_turns=max_turns, cell_px=cell_px or None)
             obs = game.reset()
             episode.user_turns.append(chat.first_turn(game.first_text(obs)))
             episode.user_turns_text_only.append(chat.first_turn(game.first_text(obs), with_image=False)
@@ -582,7 +583,7 @@ def play_chat_episodes(mazes: list, reply_fn, *, max_turns: int, cell_px: int | 
     """Play each maze once, every turn asking `reply_fn` for all active conversations at once."""
     episodes, games, conversations = [], [], []
     for i, maze in enumerate(mazes):
-        game = env.MazeEnv(maze, max_turns=max_turns, cell_px=cell_px or None, style=style)
+        game = visgym.make_env(maze, style, max_turns=max_turns, cell_px=cell_px or None)
         obs = game.reset()
         episodes.append(Episode(maze=maze, group_id=i, sample_id=i))
         games.append(game)

@@ -42,6 +42,7 @@ import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 import env  # noqa: E402
+import visgym  # noqa: E402
 import grpo  # noqa: E402
 import policy  # noqa: E402
 import rundir  # noqa: E402
@@ -52,7 +53,7 @@ ROOT = Path(__file__).resolve().parent
 def demonstration(maze, chat: rollout.ChatFormat, reply_ids: dict, rng: random.Random, *, max_turns: int,
                   max_images: int | None, cell_px: int, noise: float, max_detour: int = 1, style: str = "ours") -> list:
     """Play one maze with the BFS policy (plus noise); return its training sequences."""
-    game = env.MazeEnv(maze, max_turns=max_turns, cell_px=cell_px or None, style=style)
+    game = visgym.make_env(maze, style, max_turns=max_turns, cell_px=cell_px or None)
     obs = game.reset()
     episode = rollout.Episode(maze=maze, group_id=0, sample_id=0)
     episode.user_turns.append(chat.first_turn(game.first_text(obs)))

@@ -8,7 +8,7 @@ texts and parser; env.py) and is scored two ways:
 
   strict   reward 1 only for stopping on the goal within the turn limit (ours, the default)
   SkyRL    its SFT recipe's reward, 0.8 x task + 0.2 x the share of turns with well-formed
-           <observation>, <justification> and <action> blocks (env.skyrl_shaped_reward), and
+           <observation>, <justification> and <action> blocks (visgym.skyrl_shaped_reward), and
            its pass metric, reward > 0
 
 The reference policies need no model: "shortest path" follows the BFS solution in SkyRL's tag
@@ -27,6 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import env  # noqa: E402
+import visgym  # noqa: E402
 
 
 def tagged(action: str) -> str:
@@ -46,7 +47,7 @@ def score(mazes, replies_of, max_turns: int) -> dict:
     """Replay each maze's replies through the env: strict solved, SkyRL's reward and pass."""
     solved = passed = 0
     for i, maze in enumerate(mazes):
-        game = env.MazeEnv(maze, max_turns=max_turns, style="visgym")
+        game = visgym.VisGymMazeEnv(maze, max_turns=max_turns)
         game.reset()
         used = []
         for reply in replies_of(i, maze):
@@ -55,7 +56,7 @@ def score(mazes, replies_of, max_turns: int) -> dict:
             game.step(reply)
             used.append(reply)
         solved += game.solved
-        passed += env.skyrl_shaped_reward(used, game.solved) > 0
+        passed += visgym.skyrl_shaped_reward(used, game.solved) > 0
     return {"solved": solved, "passed": passed}
 
 

@@ -66,7 +66,7 @@ def versions():
 def project_imports():
     import importlib
 
-    names = ["env", "rollout", "grpo", "distributed", "checkpoint", "policy", "train", "sft", "serve", "tiny_model"]
+    names = ["env", "rollout", "grpo", "distributed", "checkpoint", "rundir", "policy", "train", "sft", "serve", "tiny_model"]
     for name in names:
         importlib.import_module(name)
     return " ".join(names)

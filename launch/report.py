@@ -18,6 +18,7 @@ sys.path.insert(0, str(ROOT))
 
 import rundir  # noqa: E402
 import env  # noqa: E402
+import visgym  # noqa: E402
 
 
 def load_evals(run: Path) -> list[dict]:
@@ -55,7 +56,7 @@ def replay_gif(run: Path, result: dict, cell_px: int, max_turns: int, style: str
     """Replay the logged replies of one eval maze (the first solved one, else the first)."""
     row = next((r for r in result["mazes"] if r["solved"]), result["mazes"][0])
     maze = env.eval_mazes(result["difficulty"], row["maze_index"] + 1, style)[row["maze_index"]]
-    game = env.MazeEnv(maze, max_turns=max_turns, cell_px=cell_px or None, style=style)
+    game = visgym.make_env(maze, style, max_turns=max_turns, cell_px=cell_px or None)
     frames = [game.reset().image]
     for reply in row["replies"]:
         if game.done:

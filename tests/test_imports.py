@@ -11,12 +11,13 @@ ALLOWED = {
     "grpo": set(),
     "distributed": set(),
     "tiny_model": {"env", "rollout"},
-    "rollout": {"env"},
+    "visgym": {"env"},
+    "rollout": {"env", "visgym"},
     "checkpoint": {"distributed"},
     "rundir": {"checkpoint", "distributed"},
     "policy": {"checkpoint", "distributed", "grpo", "rollout", "tiny_model"},
     "train": {"checkpoint", "distributed", "env", "grpo", "policy", "rollout", "rundir"},
-    "sft": {"env", "grpo", "policy", "rollout", "rundir"},
+    "sft": {"env", "grpo", "policy", "rollout", "rundir", "visgym"},
     "serve": {"checkpoint", "env", "policy", "rollout", "train"},
 }
 

@@ -1,4 +1,4 @@
-"""Tests of env.py's VisGym-compatible style against facts recorded from VisGym's own code.
+"""Tests of the VisGym-compatible style (visgym.py, env.generate_maze_visgym) against facts recorded from VisGym's own code.
 
 tests/data/visgym_maze2d.json was written by running visgym/VisGym (commit in its "source"):
 mazes by seed, the texts of scripted episodes, what its parser and maze make of many replies,
@@ -17,7 +17,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import env  # noqa: E402
-from env import MazeEnv, generate_maze_visgym, parse_action_visgym, render_visgym, skyrl_shaped_reward  # noqa: E402
+import visgym  # noqa: E402
+from env import generate_maze_visgym  # noqa: E402
+from visgym import VisGymMazeEnv, parse_action_visgym, render_visgym, skyrl_shaped_reward  # noqa: E402
 
 FACTS = json.loads((ROOT / "tests" / "data" / "visgym_maze2d.json").read_text())
 SIZES = {"easy": 9, "hard": 11}
@@ -75,22 +77,22 @@ def test_visgym_style_plumbing():
 @pytest.mark.parametrize("difficulty", ["easy", "hard"])
 def test_prompt_is_visgyms(difficulty):
     maze = generate_maze_visgym(SIZES[difficulty], 0)
-    assert env.visgym_prompt(SIZES[difficulty]) == FACTS["prompt"][difficulty]
-    assert MazeEnv(maze, style="visgym").instructions == FACTS["prompt"][difficulty]
+    assert visgym.visgym_prompt(SIZES[difficulty]) == FACTS["prompt"][difficulty]
+    assert VisGymMazeEnv(maze).instructions == FACTS["prompt"][difficulty]
 
 
 @pytest.mark.parametrize("name", list(FACTS["episodes"]))
 def test_recorded_episode_replays_with_the_same_texts(name):
     episode = FACTS["episodes"][name]
     maze = generate_maze_visgym(SIZES[episode["difficulty"]], episode["seed"])
-    game = MazeEnv(maze, max_turns=episode["max_steps"], style="visgym",
-                   verbalize="Verbalize your reasoning" in episode["prompts"][0])
+    game = VisGymMazeEnv(maze, max_turns=episode["max_steps"],
+                         verbalize="Verbalize your reasoning" in episode["prompts"][0])
     obs = game.reset()
     assert game.instructions + "\n" + obs.text == episode["prompts"][0]
     for k, step in enumerate(episode["steps"]):
         assert not obs.done
         obs = game.step(step["reply"])
-        assert env.visgym_extract_action(step["reply"], game.verbalize) == step["parsed"]
+        assert visgym.visgym_extract_action(step["reply"], game.verbalize) == step["parsed"]
         assert comparable(obs.feedback) == comparable(step["env_feedback"]), f"step {k + 1}"
         assert list(game.agent) == step["agent"] and obs.reward == step["reward"]
         if k + 1 < len(episode["prompts"]):
@@ -101,8 +103,8 @@ def test_recorded_episode_replays_with_the_same_texts(name):
 
 
 def test_step_text_counts_the_budget_down():
-    assert env.visgym_step_text(0, 20) == "This is step 1. You are allowed to take 19 more steps."
-    assert env.visgym_step_text(19, 20, "Cannot move into a wall.") == (
+    assert visgym.visgym_step_text(0, 20) == "This is step 1. You are allowed to take 19 more steps."
+    assert visgym.visgym_step_text(19, 20, "Cannot move into a wall.") == (
         "Environment feedback: Cannot move into a wall.\n\nThis is step 20. You are allowed to take 0 more steps.")
 
 
@@ -113,8 +115,8 @@ def test_step_text_counts_the_budget_down():
 def test_parser_accepts_and_rejects_what_visgym_does(case):
     start = FACTS["parser_start"]
     maze = generate_maze_visgym(SIZES[start["difficulty"]], start["seed"])
-    assert env.visgym_extract_action(case["reply"]) == case["parsed"]
-    game = MazeEnv(maze, style="visgym")
+    assert visgym.visgym_extract_action(case["reply"]) == case["parsed"]
+    game = VisGymMazeEnv(maze)
     obs = game.step(case["reply"])
     assert comparable(obs.feedback) == comparable(case["env_feedback"])
     assert obs.done == case["terminated"] and obs.reward == case["reward"]
@@ -138,7 +140,7 @@ def test_parser_never_raises_on_odd_input():
 @pytest.mark.parametrize("cell_px", sorted(FACTS["circle_masks"], key=int))
 def test_agent_circle_is_pygames(cell_px):
     px = int(cell_px)
-    inside = {(x - px, y - px) for x, y in env._visgym_disc((1, 1), px)}
+    inside = {(x - px, y - px) for x, y in visgym._visgym_disc((1, 1), px)}
     mask = ["".join("B" if (x, y) in inside else "." for x in range(px)) for y in range(px)]
     assert mask == FACTS["circle_masks"][cell_px]
 
@@ -153,7 +155,7 @@ def test_frames_match_visgyms_pixels_including_the_hole_in_the_target():
     facts = FACTS["render"]
     episode = FACTS["episodes"]["solve_with_detour"]
     maze = generate_maze_visgym(9, episode["seed"])
-    game = MazeEnv(maze, max_turns=episode["max_steps"], style="visgym")
+    game = VisGymMazeEnv(maze, max_turns=episode["max_steps"])
     frames = {"reset": game.reset().image}
     replies = [s["reply"] for s in episode["steps"]]
     for reply in replies[:-3]:
