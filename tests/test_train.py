@@ -196,8 +196,12 @@ def test_grpo_learns_a_small_pool(tmp_path, warm_start):
     # a zero update or a stale sync makes them identical (contrast exactly 0) and a sign bug makes
     # GRPO the worse one. The bar: 3 standard errors of the difference of two rates over
     # 4 steps x 32 episodes, binomial (an upper bound: fixed mazes, and the two runs' draws share
-    # seeds). Working as it should, the contrast measured <MEASURED>; a true margin of z SE fails
-    # this bar with probability Phi(3 - z): 1e-3 at z = 6.1.
+    # seeds). Measured with 2 threads, on the warm start the fixture builds: GRPO 0.46 against
+    # 0.00 (10.5 SE); on the one OMP_NUM_THREADS=1 builds: 0.45 against 0.00 (10.3 SE). The
+    # flipped run drives every group to all-fail by step 5 and then has nothing to learn from.
+    # A true margin of z SE fails a bar of 3 with probability Phi(3 - z): 1e-3 at z = 6.1,
+    # 1e-13 at 10.3. (GRPO's steps vary more than binomially, e.g. 0.25-0.28 at step 8 on both:
+    # with the window's own spread of the 4 steps as the error the margins are 7.6 and 6.4 SE.)
     last, last_f = (sum(r[-LEARN_WINDOW:]) / LEARN_WINDOW for r in (rates[False], rates[True]))
     n = LEARN_WINDOW * 4 * 8
     se = ((last * (1 - last) + last_f * (1 - last_f)) / n) ** 0.5
