@@ -131,16 +131,6 @@ def discounted_returns(turn_rewards: list[float], gamma: float) -> list[float]:
     return returns
 
 
-def progress_rewards(distances: list[int], coef: float) -> list[float]:
-    """A shaping reward per turn for the distance to the goal it covered (Ng et al. 1999's
-    potential-based shaping, potential -coef * distance, undiscounted):
-        r_t = coef * (d_t - d_{t+1})
-    distances: the shortest-path distance to the goal before each turn and after the last (T + 1
-    numbers). A step closer earns +coef, a step away -coef, a bump or a stop 0; over an episode the
-    terms sum to coef * (d_0 - d_T), so walking back and forth earns nothing."""
-    return [coef * (a - b) for a, b in zip(distances, distances[1:])]
-
-
 def step_advantages(returns: Tensor, anchor_ids: Tensor, scale_by_std: bool = True, eps: float = 1e-6) -> Tensor:
     """GiGPO's step-level advantages (Feng et al. 2025, Sec. 3.2), one per turn.
 

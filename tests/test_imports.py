@@ -1,5 +1,6 @@
 """Imports run one way: the top-level modules never import from launch/ or experiments/, and the
-core (env -> rollout -> grpo -> policy -> train) never imports what comes after it."""
+core (env -> rollout -> grpo -> policy -> train) never imports what comes after it; config.py
+(the recipe) imports nothing of the trainer's, and serve.py nothing of train.py's."""
 
 import ast
 from pathlib import Path
@@ -12,11 +13,12 @@ ALLOWED = {
     "distributed": set(),
     "tiny_model": {"env", "rollout"},
     "rollout": {"env"},
-    "checkpoint": {"distributed"},
+    "config": {"env", "rollout"},
+    "checkpoint": {"config", "distributed"},
     "policy": {"checkpoint", "distributed", "grpo", "rollout", "tiny_model"},
-    "train": {"checkpoint", "distributed", "env", "grpo", "policy", "rollout"},
+    "train": {"checkpoint", "config", "distributed", "env", "grpo", "policy", "rollout"},
     "sft": {"env", "grpo", "policy", "rollout"},
-    "serve": {"checkpoint", "env", "policy", "rollout", "train"},
+    "serve": {"checkpoint", "env", "policy", "rollout"},
 }
 
 

@@ -75,7 +75,7 @@ def main(model_dir: str, out: str):
     mine = [e for i, e in enumerate(episodes) if i % world == rank]  # one member of each group per rank
     advantages, _ = grpo.gather_group_advantages(torch.tensor([e.reward for e in mine]),
                                                  torch.tensor([e.group_id for e in mine]))
-    experiences, _ = train.make_experiences(cfg, mine, advantages, [train.turn_rewards(cfg, e) for e in mine])
+    experiences, _ = train.make_experiences(cfg, mine, advantages, [train.turn_rewards(e) for e in mine])
     batch = policy.Batch([x.sequence for x in experiences], chat.processor, model)
 
     names = [n for n, _ in policy.lora_parameters(model)]
