@@ -16,7 +16,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from grpo import (  # noqa: E402
     discounted_returns,
-    progress_rewards,
     gather_group_advantages,
     group_advantages,
     kl_k3,
@@ -68,15 +67,6 @@ def test_discounted_returns():
     assert discounted_returns([0.0, 1.0], 1.0) == [1.0, 1.0]
     # shaping terms along the way: G_1 = 0.1 + 0.5 * 1.0, G_0 = -0.1 + 0.5 * G_1
     assert discounted_returns([-0.1, 0.1, 1.0], 0.5) == pytest.approx([0.2, 0.6, 1.0])
-
-
-def test_progress_rewards_pay_the_distance_covered():
-    # closer, a bump, away, closer, closer, then a stop on the goal
-    distances = [3, 2, 2, 3, 2, 1, 0, 0]
-    r = progress_rewards(distances, 0.1)
-    assert r == pytest.approx([0.1, 0.0, -0.1, 0.1, 0.1, 0.1, 0.0])
-    assert sum(r) == pytest.approx(0.1 * (distances[0] - distances[-1]))  # back and forth earns nothing
-    assert progress_rewards([4, 5, 4, 5], 0.1) == pytest.approx([-0.1, 0.1, -0.1])
 
 
 def test_step_advantages_compare_turns_from_the_same_state():
