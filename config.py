@@ -5,10 +5,10 @@
 
 Each field carries its own --help text and says whether it is *meaningful*: whether a different
 value on resume would change what the run is (the learning rate, the group size, the maze size)
-rather than only how it is carried out (the number of steps, intervals, paths, memory). A
-checkpoint refuses to resume with other meaningful settings (checkpoint.config_changes), and it
-learns which fields those are from here, so a field added with `meaningful=True` is guarded
-without editing a second list.
+rather than only how it is carried out (the number of steps, intervals, paths, memory); --help
+marks those "[fixed on resume]". A checkpoint refuses to resume with other meaningful settings
+(checkpoint.config_changes, unless --resume-allow-changes true), and it learns which fields those
+are from here: a field added with `meaningful=True` is guarded without editing a second list.
 
 The command line is transformers' HfArgumentParser over the section dataclasses, as TRL builds
 its own (`--prompts-per-step 4` or `--prompts_per_step 4`; booleans take true/false/yes/no/1/0,
@@ -235,13 +235,14 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
 
 
 class ConfigParser(HfArgumentParser):
-    """HfArgumentParser that keeps our own metadata key out of argparse, and reports a bad flag or
-    value in one line ('bad config: ...') instead of the usage text and a traceback-free exit 2."""
+    """HfArgumentParser that keeps our own metadata key out of argparse (saying in the help which
+    fields are meaningful), and reports a bad flag or value in one line ('bad config: ...')
+    instead of argparse's usage text and exit 2."""
 
     @staticmethod
     def _parse_dataclass_field(parser, field: dataclasses.Field):
-        plain = dataclasses.field(default=field.default, metadata={k: v for k, v in field.metadata.items()
-                                                                    if k != "meaningful"})
+        help = field.metadata["help"] + (" [fixed on resume]" if field.metadata["meaningful"] else "")
+        plain = dataclasses.field(default=field.default, metadata={"help": help})
         plain.name, plain.type = field.name, field.type
         HfArgumentParser._parse_dataclass_field(parser, plain)
 

@@ -39,14 +39,15 @@ import torch  # noqa: E402
 from transformers.hf_argparser import string_to_bool  # noqa: E402  (what train.py's flags take too)
 
 import checkpoint  # noqa: E402
+import config  # noqa: E402
 import env  # noqa: E402
 import policy  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent
 
 VLLM_LORA_RANKS = rollout.VLLM_LORA_RANKS  # what vLLM takes for --max-lora-rank
-# With no adapter to measure yet, fit the rank train.py gives real models (the tiny one uses 8).
-DEFAULT_LORA_RANK = 32
+# With no adapter to measure yet, fit the rank train.py gives real models (config.py).
+DEFAULT_LORA_RANK = config.LORA_RANK["real"]
 
 
 # ----------------------------------------------------------------------------- adapters on disk

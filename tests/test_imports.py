@@ -18,7 +18,7 @@ ALLOWED = {
     "policy": {"checkpoint", "distributed", "grpo", "rollout", "tiny_model"},
     "train": {"checkpoint", "config", "distributed", "env", "grpo", "policy", "rollout"},
     "sft": {"env", "grpo", "policy", "rollout"},
-    "serve": {"checkpoint", "env", "policy", "rollout"},
+    "serve": {"checkpoint", "config", "env", "policy", "rollout"},
 }
 
 

@@ -27,8 +27,8 @@ import env
 
 ROOT = Path(__file__).resolve().parent.parent
 # Smaller than test_train.py's runs: 2 evaluation mazes, evaluation only at the start and the end.
-TINY = ["--prompts-per-step", "2", "--group-size", "4", "--max-turns", "3", "--max-new-tokens", "8",
-        "--eval-mazes", "2", "--eval-interval", "100", "--progress", "false"]
+TINY = ["--prompts-per-step", "2", "--group-size", "4", "--max-turns", "3", "--eval-mazes", "2",
+        "--eval-interval", "100", "--sampled-eval-samples", "0", "--progress", "false"]
 RUN_TIMEOUT = 480  # seconds for a whole run, restarts included (generous: the machine may be shared); every wait is bounded
 
 
