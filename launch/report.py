@@ -54,8 +54,8 @@ def plot_curves(run: Path, evals: list[dict], window: int = 25) -> Path:
         episodes = config.get("prompts_per_step", 0) * config.get("group_size", 0)
         ax.plot(steps, rates, color="tab:orange", alpha=0.15, lw=0.8)
         ax.plot(steps, rolling_mean(rates, window), color="tab:orange",
-                label=f"training solve rate (sampled at T {config.get('temperature', 1.0)}, {episodes} episodes "
-                      f"a step; {window}-step rolling mean)")
+                label=f"training solve rate (sampled at T {config.get('temperature', 1.0)}, "
+                      + (f"{episodes} episodes a step; " if episodes else "") + f"{window}-step rolling mean)")
     ax.set_xlabel("GRPO step")
     ax.set_ylabel("% solved")
     ax.set_ylim(0, 100)
