@@ -44,6 +44,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
+import branch  # noqa: E402
 import checkpoint  # noqa: E402
 import distributed  # noqa: E402
 import env  # noqa: E402
@@ -85,6 +86,11 @@ class Config:
     # training only, evaluation stays strict. 0: the strict reward alone
     progress_reward: float = 0.0
     tis_cap: float = 2.0  # truncated importance sampling against the engine's logprobs; 0: off
+    # branch rollouts (branch.py): per group, up to this many forks its members passed are replayed
+    # with every open move forced and the policy finishing each; the best branch's move becomes a
+    # target, L = -w log pi_T(a* | s) (grpo.branch_target_advantages). 0: off
+    branch_points_per_group: int = 0
+    branch_weight: float = 1.0  # w, the advantage on a target's reply tokens
     # optimisation
     lr: float = 1e-4
     weight_decay: float = 0.0
@@ -152,6 +158,8 @@ class Config:
             problems.append("lr_schedule must be constant or cosine")
         if self.tis_cap < 0 or self.train_pool < 0 or self.sampled_eval_samples < 0:
             problems.append("tis_cap, train_pool and sampled_eval_samples must be >= 0")
+        if self.branch_points_per_group < 0 or self.branch_weight <= 0:
+            problems.append("branch_points_per_group must be >= 0 and branch_weight > 0")
         for name in ("steps", "ppo_epochs", "max_turns", "max_new_tokens", "micro_batch_size", "eval_interval",
                      "ckpt_interval", "export_interval", "keep_checkpoints", "keep_syncs"):
             if getattr(self, name) < 1:
@@ -418,6 +426,7 @@ def main(cfg: Config):
             max_new_tokens=cfg.max_new_tokens, max_model_len=cfg.max_model_len, temperature=cfg.temperature,
             seed=cfg.seed, lora_request=lora_request, cell_px=cfg.cell_px, style=cfg.env_style,
             max_images=cfg.max_images or None, desc=f"rollout@{step + 1}", progress=cfg.progress and rank == 0)
+        branch_experiences, branch_stats = branch.branch_step(cfg, engine, chat, episodes, lora_request)
         sleeper.sleep(engine)  # time-slicing: the engine gives the GPU to the trainer (--engine-sleep)
         timing["rollout_s"] = time.time() - t0
         metrics.update(rollout.rollout_metrics(episodes))
@@ -429,6 +438,8 @@ def main(cfg: Config):
             torch.tensor([sum(r) for r in rewards]), torch.tensor([e.group_id for e in episodes]),
             scale_by_std=cfg.scale_adv_by_std)
         experiences, step_stats = make_experiences(cfg, episodes, advantages, rewards)
+        experiences += branch_experiences  # the forks' targets, each in its parent episode's mini-batch
+        metrics.update(branch_stats)
         # reward_mean stays the strict reward (the training solve rate); the shaped one is logged apart
         adv_stats["shaped_reward_mean"] = adv_stats.pop("reward_mean")
         adv_stats["shaped_reward_std"] = adv_stats.pop("reward_std")

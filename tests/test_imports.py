@@ -14,7 +14,8 @@ ALLOWED = {
     "rollout": {"env"},
     "checkpoint": {"distributed"},
     "policy": {"checkpoint", "distributed", "grpo", "rollout", "tiny_model"},
-    "train": {"checkpoint", "distributed", "env", "grpo", "policy", "rollout"},
+    "branch": {"env", "grpo", "policy", "rollout", "sft"},
+    "train": {"branch", "checkpoint", "distributed", "env", "grpo", "policy", "rollout"},
     "sft": {"env", "grpo", "policy", "rollout"},
     "serve": {"checkpoint", "env", "policy", "rollout", "train"},
 }
