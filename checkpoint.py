@@ -362,7 +362,7 @@ MEANINGFUL = ("model", "difficulty", "env_style", "cell_px", "max_turns", "train
               "scale_adv_by_std", "clip_eps_low", "clip_eps_high", "loss_aggregation", "kl_coef",
               "step_adv_weight", "gamma", "tis_cap", "lr", "weight_decay", "warmup_steps", "lr_schedule",
               "max_grad_norm", "num_mini_batches", "ppo_epochs", "lora_rank", "lora_alpha", "lora_dropout", "lora_plus_ratio",
-              "lora_targets", "seed", "progress_reward")
+              "lora_targets", "seed", "progress_reward", "branch_points_per_group", "branch_weight")
 
 
 def config_changes(saved: dict, current: dict) -> list[str]:
