@@ -24,36 +24,44 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # ----------------------------------------------------------------------------- the env's state
 
-def walk(game, rng, turns):
-    """Random moves (walls included: bumps spend turns too); the agent's cell before each."""
-    cells, actions = [], []
-    for _ in range(turns):
+def walk(game, actions):
+    """Play `actions`; the agent's cell before each, and the last observation."""
+    cells, obs = [], None
+    for action in actions:
         cells.append(game.agent)
-        actions.append(rng.choice(env.ACTION_STRINGS[:4]))
-        game.step(f"<answer>{actions[-1]}</answer>")
-    return cells, actions
+        obs = game.step(f"<answer>{action}</answer>")
+    return cells, obs
 
 
 @pytest.mark.parametrize("style", ["ours", "visgym"])
 def test_a_restored_env_plays_on_exactly_as_the_original(style):
+    """Walk to the goal and one step off it (VisGym's canvas then shows a hole in the target, which
+    only `left` remembers), with a bump on the way; restore a fresh env to that state: it plays
+    on exactly as the original, picture for picture."""
     maze = env.generate_maze(7, seed=3) if style == "ours" else env.generate_maze_visgym(9, seed=3)
     rng = random.Random(0)
-    original = env.MazeEnv(maze, max_turns=14, style=style)
-    cells, _ = walk(original, rng, 6)
+    path = env.solve(maze)[:-1]  # the moves, without the stop
+    back = env.ACTION_STRINGS[(env.ACTION_STRINGS.index(path[-1]) + 2) % 4]
+    bump = next(a for a in env.ACTION_STRINGS[:4] if env.MazeEnv(maze).step(f"<answer>{a}</answer>").bumped)
+    actions = [bump] + path + [back]
+    max_turns = len(actions) + 8
+    original = env.MazeEnv(maze, max_turns=max_turns, style=style)
+    cells, last = walk(original, actions)
+    n = len(actions)
     episode = rollout.Episode(maze=maze, group_id=0, sample_id=0, states=cells, end_cell=original.agent)
-    assert episode.cells_left(6) == original.left  # what the episode records gives the env's state back
-    assert len(original.left) >= 2  # the walk did move (else `left` would prove nothing)
-    copy = env.MazeEnv(maze, max_turns=14, style=style)
-    copy.restore(original.agent, original.turn, episode.cells_left(6))
+    assert maze.goal in original.left and episode.cells_left(n) == original.left
+    copy = env.MazeEnv(maze, max_turns=max_turns, style=style)
+    restored = copy.restore(original.agent, original.turn, episode.cells_left(n))
+    assert restored.image.tobytes() == last.image.tobytes()  # the state's picture, the target's hole included
     for action in [rng.choice(env.ACTION_STRINGS) for _ in range(8)]:
         a, b = original.step(f"<answer>{action}</answer>"), copy.step(f"<answer>{action}</answer>")
         assert (a.text, a.reward, a.done, a.bumped, original.agent) == (b.text, b.reward, b.done, b.bumped, copy.agent)
         assert a.image.tobytes() == b.image.tobytes()
         if a.done:
             break
-    # an earlier turn of the same walk: cells_left(t) is the env's `left` as it was then
-    replay = env.MazeEnv(maze, max_turns=14, style=style)
-    for t, action in enumerate(walk(env.MazeEnv(maze, max_turns=14, style=style), random.Random(0), 6)[1]):
+    # every earlier turn of the same walk: cells_left(t) is the env's `left` as it was then
+    replay = env.MazeEnv(maze, max_turns=max_turns, style=style)
+    for t, action in enumerate(actions):
         assert episode.cells_left(t) == replay.left
         replay.step(f"<answer>{action}</answer>")
     with pytest.raises(ValueError, match="cannot restore"):
