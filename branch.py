@@ -158,14 +158,14 @@ def branch_step(cfg, engine, chat: rollout.ChatFormat, episodes: list, lora_requ
                                              p.parent))
     played = [b for p in points for b in p.branches]
     targets = [p for p in points if p.best is not None]
-    forced_tokens = sum(len(b.reply_ids[p.turn]) for p in points for b in p.branches)
     return experiences, {
         "branch_points": len(points),
         "branch_targets": len(targets),
         "branch_episodes": len(played),
         # the forced reply is not an engine turn; every later reply of a branch is
         "branch_engine_turns": sum(b.num_turns - p.turn - 1 for p in points for b in p.branches),
-        "branch_generated_tokens": sum(b.num_generated_tokens for b in played) - forced_tokens,
+        "branch_generated_tokens": sum(len(reply) for p in points for b in p.branches
+                                       for reply in b.reply_ids[p.turn + 1:]),
         "branch_solve_rate": sum(b.solved for b in played) / max(len(played), 1),
         "branch_s": time.time() - start,
         # how often the winning move is not the one the parent made there: a correction, not a repeat
