@@ -473,7 +473,8 @@ def play_turns(engine, chat: ChatFormat, episodes: list, games: list, forced: li
     from vllm import SamplingParams
 
     # id(image) -> content digest, computed once per image (the episodes keep the images alive)
-    digests = {id(image): image_digest(image) for e in episodes for image in e.images}
+    images_by_id = {id(image): image for e in episodes for image in e.images}  # branches share their parent's
+    digests = {key: image_digest(image) for key, image in images_by_id.items()}
 
     def add_image(episode: Episode, image):
         episode.images.append(image)
@@ -502,7 +503,8 @@ def play_turns(engine, chat: ChatFormat, episodes: list, games: list, forced: li
         outputs = dict(zip(sampled, engine.generate(
             [prompts[i] for i in sampled], [sampling_params(episodes[i], episodes[i].num_turns) for i in sampled],
             lora_request=lora_request, use_tqdm=False))) if sampled else {}
-        replies = {i: list(outputs[i].outputs[0].token_ids) if i in outputs else list(forced[i].pop(0)) for i in active}
+        replies = {i: list(outputs[i].outputs[0].token_ids) if i in outputs else list(forced[i].pop(0))
+                   for i in active}
         texts = dict(zip(active, decode_replies(chat.tokenizer, [replies[i] for i in active])))
         for i in active:
             episode, game, prompt, reply_ids = episodes[i], games[i], prompts[i], replies[i]
