@@ -82,6 +82,11 @@ class GRPOConfig:
                            meaningful=True)
     tis_cap: float = setting(2.0, "truncated importance sampling against the engine's logprobs; 0: off",
                              meaningful=True)
+    branch_points_per_group: int = setting(0, "branch rollouts (branch.py): per group, up to this many forks its "
+                                              "members passed are replayed with every open move forced and the "
+                                              "policy finishing each; the best branch's move becomes a target, "
+                                              "L = -w log pi_T(a* | s). 0: off", meaningful=True)
+    branch_weight: float = setting(1.0, "w, the advantage on a branch target's reply tokens", meaningful=True)
 
 
 @dataclass
@@ -178,6 +183,8 @@ class Config(*reversed(SECTIONS)):
             problems.append("loss_aggregation must be token-mean or seq-mean")
         if self.lr_schedule not in ("constant", "cosine"):
             problems.append("lr_schedule must be constant or cosine")
+        if self.branch_points_per_group < 0 or self.branch_weight <= 0:
+            problems.append("branch_points_per_group must be >= 0 and branch_weight > 0")
         if self.tis_cap < 0 or self.train_pool < 0 or self.sampled_eval_samples < 0 or self.max_new_tokens < 0:
             problems.append("tis_cap, train_pool, sampled_eval_samples and max_new_tokens must be >= 0")
         for name in ("steps", "ppo_epochs", "max_turns", "micro_batch_size", "eval_interval",

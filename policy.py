@@ -332,7 +332,8 @@ class MismatchMeter:
         self.worst = 0.0
 
     def add(self, logprobs, rollout_logprobs, mask):
-        m, tokens = grpo.logprob_mismatch(logprobs, rollout_logprobs, mask), mask.sum().item()
+        m = grpo.logprob_mismatch(logprobs, rollout_logprobs, mask)
+        tokens = grpo.sampled_mask(mask, rollout_logprobs).sum().item()  # forced tokens were not sampled
         self.sums = [self.sums[0] + m["mismatch_abs_mean"] * tokens, self.sums[1] + m["mismatch_k3"] * tokens,
                      self.sums[2] + tokens]
         self.worst = max(self.worst, m["mismatch_abs_max"])

@@ -44,6 +44,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
+import branch  # noqa: E402
 import checkpoint  # noqa: E402
 from config import Config, parse_config  # noqa: E402
 import distributed  # noqa: E402
@@ -174,6 +175,8 @@ def main(cfg: Config):
             max_new_tokens=cfg.max_new_tokens, max_model_len=cfg.max_model_len, temperature=cfg.temperature,
             seed=cfg.seed, lora_request=lora_request, cell_px=cfg.cell_px, style=cfg.env_style,
             max_images=cfg.max_images or None, desc=f"rollout@{step + 1}", progress=cfg.progress and rank == 0)
+        # and the forks the groups passed, replayed with every open move (branch.py; off by default)
+        branch_experiences, branch_stats = branch.branch_step(cfg, engine, chat, episodes, lora_request)
         sleeper.sleep(engine)  # time-slicing: the engine gives the GPU to the trainer (--engine-sleep)
         timing["rollout_s"] = time.time() - t0
         metrics.update(rollout.rollout_metrics(episodes))
@@ -182,7 +185,8 @@ def main(cfg: Config):
         t0 = time.time()
         experiences, stats = grpo.episode_experiences(episodes, gamma=cfg.gamma, step_adv_weight=cfg.step_adv_weight,
                                                       scale_by_std=cfg.scale_adv_by_std)
-        metrics.update(stats)
+        experiences += branch_experiences  # the forks' targets, each in its parent episode's mini-batch
+        metrics.update(stats, **branch_stats)
         timing["advantages_s"] = time.time() - t0
 
         # 3. the update: the policy-gradient loss on the sampled tokens (policy.grpo_update)

@@ -18,7 +18,8 @@ ALLOWED = {
     "checkpoint": {"config", "distributed"},
     "rundir": {"checkpoint", "distributed"},
     "policy": {"checkpoint", "distributed", "grpo", "rollout", "tiny_model"},
-    "train": {"checkpoint", "config", "distributed", "env", "grpo", "policy", "rollout", "rundir"},
+    "branch": {"env", "grpo", "rollout", "sft", "visgym"},
+    "train": {"branch", "checkpoint", "config", "distributed", "env", "grpo", "policy", "rollout", "rundir"},
     "sft": {"env", "grpo", "policy", "rollout", "rundir", "visgym"},
     "serve": {"checkpoint", "config", "env", "policy", "rollout"},
 }
