@@ -86,7 +86,7 @@ def test_forks_and_their_moves():
 
 def fake_episode(maze, group, cells, replies, solved):
     return rollout.Episode(maze=maze, group_id=group, sample_id=0, states=cells, replies=replies, solved=solved,
-                           end_cell=cells[-1], reply_ids=[[1]] * len(cells))
+                           end_cell=cells[-1], reply_ids=[[1]] * len(cells), end_reason="turn_limit")
 
 
 def test_points_prefer_forks_where_the_group_disagreed_or_failed():
@@ -110,6 +110,9 @@ def test_points_prefer_forks_where_the_group_disagreed_or_failed():
                     and len(branch.branch_moves(maze, (r, cc))) == 2 and (r, cc) not in (maze.start, maze.goal))
     other = [fake_episode(maze, 8, [corridor], ["x"], False)]
     assert branch.choose_points(group + other, 1) == [(0, 0)]
+    # ... unless a member stopped there, off the goal: a premature stop is a decision to redo
+    other[0].end_reason = "stop"
+    assert branch.choose_points(group + other, 1) == [(0, 0), (2, 0)]
 
 
 # ----------------------------------------------------------------------------- the estimator's pieces
