@@ -5,10 +5,11 @@ policy is confidently wrong: if all 8 members take the same wrong way, the fork 
 nothing (docs/experiments.md, "Step 1 of the fork-signal issue": 23-31% of the wrong forks).
 Branching makes the comparison on purpose. After a step's groups are played:
 
-    1. points    per group, up to K states (`branch_points_per_group`) where its members passed a
-                 fork: a cell with another open way than in and out (the start: more than one), or
-                 the goal (stop, or walk on). Forks where the group disagreed or failed come first,
-                 then the earlier ones. Each is taken from the member that reached it first.
+    1. points    per group, up to K states (`branch_points_per_group`) where its members made a
+                 decision: a fork (a cell with another open way than in and out; the start: more
+                 than one), the goal (stop, or walk on), or a cell where a member stopped off the
+                 goal (a premature stop: walk on). Those where the group disagreed or failed come
+                 first, then the earlier ones. Each is taken from the member that reached it first.
     2. branches  from that member's exact prefix (its conversation up to the fork, token for token,
                  and its env restored to that state, rollout.Episode.prefix + env.MazeEnv.restore),
                  every open move (and stop on the goal) is forced as the fork's reply, and the
@@ -73,9 +74,10 @@ def is_fork(maze, cell) -> bool:
 
 
 def choose_points(episodes: list, per_group: int) -> list[tuple[int, int]]:
-    """Up to `per_group` (episode index, turn) pairs per group: the fork cells its members passed,
-    those where they disagreed (took different replies there) or where one of them failed first,
-    then by the earliest turn any member reached them; each from the first member to get there."""
+    """Up to `per_group` (episode index, turn) pairs per group: the fork cells its members passed
+    and the cells where one stopped off the goal; those where they disagreed (took different
+    replies there) or where one of them failed first, then by the earliest turn any member reached
+    them; each from the first member to get there."""
     groups = {}
     for i, e in enumerate(episodes):
         groups.setdefault(e.group_id, []).append(i)
@@ -84,8 +86,9 @@ def choose_points(episodes: list, per_group: int) -> list[tuple[int, int]]:
         cells = {}  # cell -> [earliest (turn, episode), replies given there, did a visitor fail]
         for i in members:
             e = episodes[i]
+            stopped_off_goal = e.end_reason == "stop" and not e.solved
             for t, cell in enumerate(e.states):
-                if not is_fork(e.maze, cell):
+                if not (is_fork(e.maze, cell) or (stopped_off_goal and t == e.num_turns - 1)):
                     continue
                 seen = cells.setdefault(cell, [(t, i), set(), False])
                 seen[0] = min(seen[0], (t, i))

@@ -423,9 +423,10 @@ def branch_return(turns_played: int, reward: float, gamma: float) -> float:
 
 def best_branch(returns: list[float]) -> int | None:
     """a* = argmax_a G_branch(a), the branch to train toward; None where the best is shared (every
-    branch failed, or two arrived equally fast): the branches then say nothing about the fork."""
-    best = max(returns, default=None)
-    return returns.index(best) if best is not None and returns.count(best) == 1 else None
+    branch failed, or two arrived equally fast) or failed (a point with one open move, a dead end
+    where a member stopped: its one branch is a target only if it succeeds, beating the stop's 0)."""
+    best = max(returns, default=0.0)
+    return returns.index(best) if best > 0 and returns.count(best) == 1 else None
 
 
 def branch_target_advantages(response_mask: list[int], weight: float) -> Tensor:

@@ -87,7 +87,7 @@ def test_forks_and_their_moves():
 
 def fake_episode(maze, group, cells, replies, solved):
     return rollout.Episode(maze=maze, group_id=group, sample_id=0, states=cells, replies=replies, solved=solved,
-                           end_cell=cells[-1], reply_ids=[[1]] * len(cells))
+                           end_cell=cells[-1], reply_ids=[[1]] * len(cells), end_reason="turn_limit")
 
 
 def test_points_prefer_forks_where_the_group_disagreed_or_failed():
@@ -111,6 +111,9 @@ def test_points_prefer_forks_where_the_group_disagreed_or_failed():
                     and len(branch.branch_moves(maze, (r, cc))) == 2 and (r, cc) not in (maze.start, maze.goal))
     other = [fake_episode(maze, 8, [corridor], ["x"], False)]
     assert branch.choose_points(group + other, 1) == [(0, 0)]
+    # ... unless a member stopped there, off the goal: a premature stop is a decision to redo
+    other[0].end_reason = "stop"
+    assert branch.choose_points(group + other, 1) == [(0, 0), (2, 0)]
 
 
 # ----------------------------------------------------------------------------- the estimator's pieces
@@ -122,6 +125,7 @@ def test_branch_returns_and_the_best_branch():
     assert grpo.best_branch([0.0, 0.81, 0.9]) == 2
     assert grpo.best_branch([0.0, 0.0, 0.0]) is None  # every branch failed: no target
     assert grpo.best_branch([0.9, 0.9, 0.0]) is None  # a tie says nothing about the fork
+    assert grpo.best_branch([0.0]) is None and grpo.best_branch([0.5]) == 0  # one branch: only if it succeeds
     row = grpo.branch_target_advantages([0, 0, 1, 1, 1], 0.5)
     assert row.tolist() == [0.0, 0.5, 0.5, 0.5]  # shifted: entry j is about token j + 1
 
@@ -336,7 +340,7 @@ def test_a_training_run_with_branches_logs_them(tmp_path, warm_start):
     assert len(metrics) == 2
     for m in metrics:
         assert 1 <= m["branch_points"] <= 2 * 4 and m["branch_targets"] <= m["branch_points"]
-        assert m["branch_episodes"] >= 2 * m["branch_points"] and m["branch_engine_turns"] > 0
+        assert m["branch_episodes"] >= m["branch_points"] and m["branch_engine_turns"] > 0  # a dead end: one
         assert m["branch_generated_tokens"] > 0 and m["mismatch_abs_mean"] < 1e-4
     assert sum(m["branch_targets"] for m in metrics) > 0
     saved = json.loads((out / "config.json").read_text())
