@@ -3,6 +3,7 @@ vLLM engine."""
 
 import hashlib
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -29,7 +30,13 @@ WARM_START_STEPS = 250
 def warm_start(tiny_model) -> Path:
     """The tiny model after a short SFT (sft.py, about a minute on 2 cores): a policy that solves
     some of the mazes some of the time, so GRPO groups have reward spread and updates are real.
-    Built once, cached beside the tiny model under a name that changes with it and with sft.py."""
+    Built once, cached beside the tiny model under a name that changes with it and with sft.py.
+    GRPO_TEST_WARM_START=<sft.py --out dir> uses another one instead (one built with other
+    threads, say: another floating-point path, so another policy for the tests to hold on)."""
+    if os.environ.get("GRPO_TEST_WARM_START"):
+        other = Path(os.environ["GRPO_TEST_WARM_START"]) / "model"
+        assert (other / "config.json").exists(), f"GRPO_TEST_WARM_START: no {other}/config.json"
+        return other
     build = json.loads((tiny_model / "BUILD_INFO.json").read_text())["fingerprint"]
     recipe = hashlib.sha256((ROOT / "sft.py").read_bytes()).hexdigest()[:8]
     out = ROOT / ".cache" / f"warm-start-{WARM_START_STEPS}-{build}-{recipe}"
