@@ -5,7 +5,6 @@ with the branch term lifts a confidently wrong fork about as much as one SFT ste
 import json
 import math
 import random
-import sys
 from pathlib import Path
 
 import pytest
@@ -304,9 +303,8 @@ def test_the_branch_term_lifts_a_confidently_wrong_fork_like_an_sft_step(engine,
     print("branches:", dict(zip(point.moves, point.returns)))
     assert point.best is not None and point.moves[point.best] == right  # the branches found the right move
 
-    rewards = [train.turn_rewards(cfg, e) for e in episodes]
-    advantages = grpo.group_advantages(torch.tensor([sum(r) for r in rewards]), torch.zeros(8, dtype=torch.long))
-    grpo_xs, _ = train.make_experiences(cfg, episodes, advantages, rewards)
+    grpo_xs, _ = grpo.episode_experiences(episodes, gamma=cfg.gamma, step_adv_weight=cfg.step_adv_weight,
+                                          scale_by_std=cfg.scale_adv_by_std)  # one group (group_id 0)
     target = branch.target_sequence(point.branches[point.best], FORK_TURN, None)
     branch_row = (target, grpo.branch_target_advantages(target.response_mask, cfg.branch_weight), 0)
     out = in_fresh_process(_fork_updates, str(warm_start), {"right": target},
