@@ -299,6 +299,7 @@ def _clip_check(model_dir: str, num_mini_batches: int, ppo_epochs: int, results)
     mini-batches or passed over more than once: every optimizer step after the first runs on a
     policy that has moved away from the one that computed the old logprobs."""
     import distributed
+    import grpo
     import rollout
     import sft
 
@@ -309,13 +310,11 @@ def _clip_check(model_dir: str, num_mini_batches: int, ppo_epochs: int, results)
     chat = rollout.ChatFormat.for_model(model_dir)
     sequences = sft.demonstrations(chat, 4, max_turns=4)
     batch = policy.Batch(sequences, chat.processor, model)
-    experiences = [policy.Experience(s, a * torch.tensor(s.response_mask[1:], dtype=torch.float32), i)
+    experiences = [grpo.Experience(s, a * torch.tensor(s.response_mask[1:], dtype=torch.float32), i)
                    for i, (s, a) in enumerate(zip(sequences, [1.0, -1.0, 1.0, -1.0]))]
-    policy.fill_old_logprobs(model, batch, experiences, cfg.micro_batch_size, torch.device("cpu"), cfg.temperature,
-                             with_ref=False)
-    optimizer = policy.make_optimizer(model, cfg.lr)
-    stats = train.grpo_update(cfg, model, optimizer, train.make_scheduler(optimizer, cfg), batch, experiences, 4,
-                              torch.device("cpu"))
+    optimizer = policy.make_optimizer(model, cfg.lr)  # grpo_update computes pi_old first (not single-pass)
+    stats = policy.grpo_update(cfg, model, optimizer, policy.make_scheduler(optimizer, cfg), batch, experiences, 4,
+                               torch.device("cpu"))
     results.put(stats)
 
 
