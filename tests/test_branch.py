@@ -242,7 +242,9 @@ def _fork_updates(model_dir: str, sequences: dict, grpo_rows: list, branch_rows:
     import distributed
 
     distributed.init_distributed()
-    cfg = train.Config(lora_rank=8, lora_alpha=16, lr=1e-3, temperature=TEMPERATURE, micro_batch_size=16,
+    # warmup_steps 0: the recipe's warm-up would make this one step's rate 0
+    cfg = train.Config(lora_rank=8, lora_alpha=16, lr=1e-3, warmup_steps=0, temperature=TEMPERATURE,
+                       micro_batch_size=16,
                        step_adv_weight=1.0, seed=0)
     model = policy.build_policy(cfg, model_dir)
     chat = rollout.ChatFormat.for_model(model_dir)
