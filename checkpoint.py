@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
+import config
 import distributed
 
 # The adapter directory's record of the base it was trained on (serve.py refuses a mismatch).
@@ -237,9 +238,6 @@ def write_checkpoint(out: Path, step: int, model, lora_state: dict, trainer_stat
         tmp.mkdir(parents=True)
         write_adapter_files(model, lora_state, tmp, base)
         torch.save(trainer_state, tmp / "trainer_state.pt")
-        if os.environ.get("GRPO_TEST_KILL_IN_CHECKPOINT") == str(step) and \
-                os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
-            os.kill(os.getpid(), 9)  # tests/test_launch.py: die mid-write (first attempt only)
         seal(tmp, meta)
         return tmp
     except (OSError, RuntimeError) as e:  # torch.save reports a failed write as a RuntimeError
@@ -251,11 +249,16 @@ def write_checkpoint(out: Path, step: int, model, lora_state: dict, trainer_stat
 def load(path: Path, cfg, model, optimizer, scheduler, stream, log=print) -> tuple[int, float]:
     """Restore LoRA, optimizer, schedule, RNG states and maze stream; returns (step, hours).
 
-    A checkpoint written with other meaningful settings (MEANINGFUL) is refused unless
-    cfg.resume_allow_changes; then the new learning rate and schedule take effect from here."""
+    A checkpoint written with other meaningful settings (config.meaningful_fields) is refused
+    unless cfg.resume_allow_changes; then the new learning rate and schedule take effect from here.
+    One that used a setting since removed from the Config is refused whatever the flags."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
     meta = json.loads((path / "meta.json").read_text())
+    removed = config.removed_settings(meta.get("config", {}))
+    if removed:
+        raise SystemExit(f"{path} was written with a setting this version no longer has ({'; '.join(removed)}); "
+                         "resume it with the code that wrote it (git history), or start a new --out-dir.")
     changes = config_changes(meta.get("config", {}), dataclasses.asdict(cfg))
     if changes and not cfg.resume_allow_changes:
         raise SystemExit(f"{path} was written with other settings ({'; '.join(changes)}). Resume with the "
@@ -355,18 +358,9 @@ def find(out: Path, resume: str, warn=print) -> Path | None:
     return None
 
 
-# Config fields that change what a run means: resuming with another value would silently mix two
-# runs (the optimizer and schedule are the checkpoint's). Everything else (steps, intervals,
-# paths, progress, micro-batch size, memory settings) can change on resume.
-MEANINGFUL = ("model", "difficulty", "env_style", "cell_px", "max_turns", "train_max_turns", "max_new_tokens",
-              "max_images", "train_pool", "eval_mazes", "prompts_per_step", "group_size", "temperature",
-              "scale_adv_by_std", "clip_eps_low", "clip_eps_high", "loss_aggregation", "kl_coef",
-              "step_adv_weight", "gamma", "tis_cap", "lr", "weight_decay", "warmup_steps", "lr_schedule",
-              "max_grad_norm", "num_mini_batches", "ppo_epochs", "lora_rank", "lora_alpha", "lora_dropout", "lora_plus_ratio",
-              "lora_targets", "seed")
-
-
 def config_changes(saved: dict, current: dict) -> list[str]:
-    """'name: saved -> current' for each meaningful field that differs."""
-    return [f"{k}: {saved[k]!r} -> {current[k]!r}" for k in MEANINGFUL
+    """'name: saved -> current' for each meaningful field (config.py declares which) that differs:
+    resuming with another value would silently mix two runs (the optimizer and schedule are the
+    checkpoint's). Everything else (steps, intervals, paths, memory settings) can change on resume."""
+    return [f"{k}: {saved[k]!r} -> {current[k]!r}" for k in config.meaningful_fields()
             if k in saved and k in current and saved[k] != current[k]]

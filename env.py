@@ -373,6 +373,18 @@ class MazeEnv:
         self.end_reason = None  # "stop" or "turn_limit" once done
         return self._observe(reward=0.0, valid=True, feedback="")
 
+    def restore(self, agent, turn: int, left=()) -> Observation:
+        """Put the episode back into a state it passed through: the agent on `agent` after `turn`
+        actions, having moved off the cells `left` (VisGym's canvas marks them). The next step
+        then plays exactly as it did from that state (branch.py replays forks this way); the
+        observation is the state's picture (its text carries no feedback)."""
+        if not self.maze.is_open(agent) or not 0 <= turn < self.max_turns:
+            raise ValueError(f"cannot restore to cell {agent} after {turn} turns: not an open cell, "
+                             f"or not a turn before the limit {self.max_turns}")
+        self.agent, self.turn, self.left = tuple(agent), turn, set(left)
+        self.done, self.solved, self.end_reason = False, False, None
+        return self._observe(reward=0.0, valid=True, feedback="")
+
     def step(self, action_text: str) -> Observation:
         if self.done:
             raise RuntimeError("step() called on a finished episode; call reset() first")

@@ -306,9 +306,11 @@ def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, resp
     #   w_t = min( pi_old(o_t) / pi_rollout(o_t) , C ),   L_t <- w_t * L_t
     # w is a constant (no gradient); the cap C bounds the variance a few outlier tokens could add.
     # On a CPU in fp32 the two agree to ~1e-7, so w = 1 to about 1e-6.
+    # A forced token (rollout log-prob NaN: a branch's demonstrated reply) was never sampled: w = 1.
     tis_weight = None
     if rollout_logprobs is not None and tis_cap > 0:
-        rollout = torch.where(mask, rollout_logprobs.detach().to(logp.dtype), zero)
+        sampled = sampled_mask(mask, rollout_logprobs)
+        rollout = torch.where(sampled, rollout_logprobs.detach().to(logp.dtype), old)
         raw_weight = torch.exp(old - rollout)
         tis_weight = torch.clamp(raw_weight, max=tis_cap)
         per_token = tis_weight * per_token
@@ -346,8 +348,9 @@ def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, resp
             "ratio_mean": masked_mean(ratio, mask).item(),
             "kl": masked_mean(kl, mask).item() if kl is not None else 0.0,
             "pg_loss": aggregate(pg_per_token).item(),
-            "tis_weight_mean": masked_mean(tis_weight, mask).item() if tis_weight is not None else 1.0,
-            "tis_capped_frac": ((raw_weight > tis_cap) & mask).sum().item() / max(mask.sum().item(), 1)
+            "tis_weight_mean": masked_mean(tis_weight, sampled).item() if tis_weight is not None and sampled.any()
+            else 1.0,
+            "tis_capped_frac": ((raw_weight > tis_cap) & sampled).sum().item() / max(sampled.sum().item(), 1)
             if tis_weight is not None else 0.0,
         }
     return loss, metrics
@@ -381,6 +384,12 @@ def token_logprobs(logits: Tensor, target_ids: Tensor, temperature: float = 1.0,
     return torch.stack(out) if out else logits.new_zeros(target_ids.shape, dtype=torch.float32)
 
 
+def sampled_mask(response_mask: Tensor, rollout_logprobs: Tensor) -> Tensor:
+    """The trained tokens the engine sampled: response tokens whose rollout log-prob is not NaN
+    (rollout.NO_LOGPROB marks a forced reply, which the engine never sampled)."""
+    return response_mask.bool() & ~rollout_logprobs.isnan()
+
+
 @torch.no_grad()
 def logprob_mismatch(trainer_logprobs: Tensor, rollout_logprobs: Tensor, response_mask: Tensor) -> dict:
     """How far the trainer's log-probs are from the inference engine's on the sampled tokens.
@@ -390,8 +399,9 @@ def logprob_mismatch(trainer_logprobs: Tensor, rollout_logprobs: Tensor, respons
       mismatch_abs_mean = mean |logp_trainer - logp_rollout|  over masked tokens
       mismatch_abs_max  = max  |logp_trainer - logp_rollout|
       mismatch_k3       = mean k3(logp_trainer, logp_rollout)
+    Forced tokens (rollout log-prob NaN, sampled_mask) are not counted: the engine sampled none.
     """
-    mask = response_mask.bool()
+    mask = sampled_mask(response_mask, rollout_logprobs)
     t = torch.where(mask, trainer_logprobs.double(), 0.0)
     r = torch.where(mask, rollout_logprobs.double(), 0.0)
     diff = (t - r).abs()
@@ -400,3 +410,42 @@ def logprob_mismatch(trainer_logprobs: Tensor, rollout_logprobs: Tensor, respons
         "mismatch_abs_max": diff.max().item() if diff.numel() else 0.0,  # masked entries are 0
         "mismatch_k3": masked_mean(kl_k3(t, r), mask).item(),
     }
+
+
+# ----------------------------------------------------------------------------- branch rollouts
+
+def branch_return(turns_played: int, reward: float, gamma: float) -> float:
+    """A branch's return from its fork: G = gamma^(k - 1) * R for a branch that played k turns
+    from the fork on (the forced move included) and ended with the strict reward R, the same
+    discount as the step-level term's G_t (discounted_returns with r = R at the last turn)."""
+    return gamma ** (turns_played - 1) * reward
+
+
+def best_branch(returns: list[float]) -> int | None:
+    """a* = argmax_a G_branch(a), the branch to train toward; None where the best is shared (every
+    branch failed, or two arrived equally fast) or failed (a point with one open move, a dead end
+    where a member stopped: its one branch is a target only if it succeeds, beating the stop's 0)."""
+    best = max(returns, default=0.0)
+    return returns.index(best) if best > 0 and returns.count(best) == 1 else None
+
+
+def branch_target_advantages(response_mask: list[int], weight: float) -> Tensor:
+    """The advantage row of a fork's target row (branch.py): `weight` on its one trained reply.
+
+    The estimator is a cross-entropy toward the winning branch, at the sampling temperature T:
+        L_branch = -w * log pi_T(a* | s),   a* = argmax_a G_branch(a)
+        grad_z L_branch = -w * (e_a* - pi_T(. | s)) / T
+    which vanishes once the policy agrees (pi_T(a*) -> 1): it saturates, so it spends the update
+    on the forks the policy gets wrong (an equal weight on every forced move does not).
+
+    How it enters policy_loss, unchanged: the row's trained tokens are the reply of a* (forced,
+    rollout log-prob NaN), each with A = w. In the single-pass update pi_old = pi.detach(), so the
+    ratio is exp(lp - lp.detach()) = 1 and per token L_j = -w * ratio_j has the gradient
+    -w * grad log pi_T(y_j | s, y_<j); summed over the reply's tokens y that is exactly
+    -w * grad log pi_T(a* | s). The token-mean normaliser N counts these tokens with the GRPO
+    rows' (the mini-batch's response tokens), so the mini-batch loss is
+        (1/N) [ sum_GRPO tokens A_t L_t  +  sum_targets sum_{j in reply} -w log pi_T(y_j) ]:
+    a target weighs as much as a sampled reply with advantage w. With mini-batches or epochs the
+    ratio leaves 1 and the clip caps it as for any A > 0 token. TIS gives forced tokens weight 1
+    and the mismatch meter skips them (sampled_mask): the engine never sampled them."""
+    return spread_over_replies(response_mask, [weight] * reply_count(response_mask))

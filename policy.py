@@ -185,25 +185,15 @@ def base_weight_bytes(model, bytes_per_parameter: int = 2) -> int:
     return bytes_per_parameter * sum(p.numel() for p in model.parameters() if not p.requires_grad)
 
 
-def make_optimizer(model, lr: float, weight_decay: float = 0.0, lora_plus_ratio: float = 0.0):
-    """AdamW over the LoRA weights. With lora_plus_ratio, LoRA+ (Hayou et al. 2024,
-    arXiv:2402.12354; PEFT's create_loraplus_optimizer): B at lr * ratio, A at lr. B starts at
-    zero and A at random, so a step that is large for B is violent for A; one rate for both
-    makes the adapter learn far slower than full fine-tuning at the same rate.
-
-    PEFT's LoRA+ optimizer sets each group's decay from its own `loraplus_weight_decay` (default 0)
-    and would drop a plain `weight_decay` (peft 0.21.2, peft/optimizers/loraplus.py:90-111), so
-    the decay is passed under that name: --weight-decay means the same with LoRA+ on or off."""
-    if lora_plus_ratio:
-        from peft.optimizers import create_loraplus_optimizer
-
-        return create_loraplus_optimizer(model, torch.optim.AdamW, lr=lr, loraplus_lr_ratio=lora_plus_ratio,
-                                         loraplus_weight_decay=weight_decay)
+def make_optimizer(model, lr: float, weight_decay: float = 0.0):
+    """AdamW over the LoRA weights, one rate for A and B (LoRA+'s faster B did not help here:
+    docs/experiments.md, 'Other levers')."""
     return torch.optim.AdamW([p for _, p in lora_parameters(model)], lr=lr, weight_decay=weight_decay)
 
 
-def vision_tower(model):
-    """The Qwen3-VL model inside the PEFT wrapper (or a plain HF model), whose .visual encodes images."""
+def qwen3_vl_model(model):
+    """The Qwen3VLModel inside the PEFT wrapper (or a plain HF Qwen3VLForConditionalGeneration): the
+    vision tower (.visual) and the language model together, without the LM head."""
     inner = model.base_model.model if hasattr(model, "peft_config") else model
     return inner.model
 
@@ -228,7 +218,7 @@ class Batch:
         self._keys = {}  # id(image) -> content digest
         self._pixels = {}  # digest -> (pixel_values, grid_thw)
         self._features = {}  # digest -> (embeds, [deepstack embeds])
-        frozen = model is not None and not any(p.requires_grad for p in vision_tower(model).visual.parameters())
+        frozen = model is not None and not any(p.requires_grad for p in qwen3_vl_model(model).visual.parameters())
         self.model = model if frozen and takes_encoder_outputs() else None
 
     def length(self, i: int) -> int:
@@ -253,7 +243,7 @@ class Batch:
             return
         pixels = torch.cat([self._pixels[k][0] for k in todo]).to(device)
         grid = torch.cat([self._pixels[k][1] for k in todo]).to(device)
-        out = vision_tower(self.model).get_image_features(pixels, grid, return_dict=True)
+        out = qwen3_vl_model(self.model).get_image_features(pixels, grid, return_dict=True)
         for i, key in enumerate(todo):
             self._features[key] = (out.pooler_output[i], [feat[i] for feat in out.deepstack_features])
 
@@ -342,7 +332,8 @@ class MismatchMeter:
         self.worst = 0.0
 
     def add(self, logprobs, rollout_logprobs, mask):
-        m, tokens = grpo.logprob_mismatch(logprobs, rollout_logprobs, mask), mask.sum().item()
+        m = grpo.logprob_mismatch(logprobs, rollout_logprobs, mask)
+        tokens = grpo.sampled_mask(mask, rollout_logprobs).sum().item()  # forced tokens were not sampled
         self.sums = [self.sums[0] + m["mismatch_abs_mean"] * tokens, self.sums[1] + m["mismatch_k3"] * tokens,
                      self.sums[2] + tokens]
         self.worst = max(self.worst, m["mismatch_abs_max"])

@@ -354,7 +354,7 @@ class Sequence:
     """One training sequence, exactly as the engine saw it (images expanded)."""
     token_ids: list
     response_mask: list  # 1 on generated tokens
-    rollout_logprobs: list  # vLLM's sampling logprob of each generated token, 0 elsewhere
+    rollout_logprobs: list  # vLLM's sampling logprob of each generated token, 0 elsewhere, NaN if forced
     images: list  # the images whose tokens appear in token_ids, in order
 
 
@@ -386,6 +386,33 @@ class Episode:
     @property
     def num_generated_tokens(self) -> int:
         return sum(len(r) for r in self.reply_ids)
+
+    def prefix(self, turn: int, sample_id: int, max_images: int | None) -> "Episode":
+        """This episode as it stood when its reply `turn` was asked for: the user turns 0..turn,
+        the replies before it, their training tokens (the full-history sequence cut right after
+        reply turn - 1, or the first `turn` per-turn sequences), under a new sample id. The lists
+        are new; the images and token lists in them are shared (nothing changes them). Its
+        counters (invalid actions, bumps, truncations) count only what is played from here on."""
+        if not 0 <= turn < self.num_turns:
+            raise ValueError(f"turn {turn}: the episode played turns 0..{self.num_turns - 1}")
+        if max_images is None:
+            sequences = []
+            if turn:
+                seq, cut = self.sequences[0], reply_spans(self.sequences[0].response_mask)[turn - 1][1]
+                sequences = [Sequence(seq.token_ids[:cut], seq.response_mask[:cut], seq.rollout_logprobs[:cut],
+                                      self.images[:turn])]
+        else:
+            sequences = list(self.sequences[:turn])
+        return Episode(maze=self.maze, group_id=self.group_id, sample_id=sample_id,
+                       user_turns=list(self.user_turns[:turn + 1]),
+                       user_turns_text_only=list(self.user_turns_text_only[:turn + 1]),
+                       reply_ids=list(self.reply_ids[:turn]), images=list(self.images[:turn + 1]),
+                       states=list(self.states[:turn]), sequences=sequences, replies=list(self.replies[:turn]))
+
+    def cells_left(self, turn: int) -> set:
+        """The cells the agent had moved off before reply `turn` (env.MazeEnv.left then)."""
+        cells = self.states[:turn + 1] if turn < len(self.states) else self.states + [self.end_cell]
+        return {a for a, b in zip(cells, cells[1:]) if a != b}
 
     def next_prompt(self, max_images: int | None) -> tuple[list, list]:
         """The engine input for the next reply: all turns so far, images only for the last k."""
@@ -428,14 +455,6 @@ def play_episodes(engine, chat: ChatFormat, mazes: list, group_ids: list, *, sam
     `min_new_tokens` forbids ending a reply earlier (benchmarks set it to `max_new_tokens`, so
     that every reply has the same length whatever the model).
     """
-    from vllm import SamplingParams
-
-    digests = {}  # id(image) -> content digest, computed once per image (the episodes keep them alive)
-
-    def add_image(episode: Episode, image):
-        episode.images.append(image)
-        digests[id(image)] = image_digest(image)
-
     episodes, games = [], []
     for maze, group_id in zip(mazes, group_ids):
         for member in range(samples_per_maze):
@@ -445,11 +464,39 @@ def play_episodes(engine, chat: ChatFormat, mazes: list, group_ids: list, *, sam
             episode.user_turns.append(chat.first_turn(game.first_text(obs)))
             episode.user_turns_text_only.append(chat.first_turn(game.first_text(obs), with_image=False)
                                                 if max_images else [])
-            add_image(episode, obs.image)
+            episode.images.append(obs.image)
             episodes.append(episode)
             games.append(game)
+    return play_turns(engine, chat, episodes, games, [[] for _ in episodes], max_new_tokens=max_new_tokens,
+                      max_model_len=max_model_len, temperature=temperature, seed=seed, lora_request=lora_request,
+                      max_images=max_images, min_new_tokens=min_new_tokens, desc=desc, progress=progress)
+
+
+def play_turns(engine, chat: ChatFormat, episodes: list, games: list, forced: list, *, max_new_tokens: int,
+               max_model_len: int, temperature: float, seed: int, lora_request=None, max_images: int | None = None,
+               min_new_tokens: int = 0, desc: str = "rollout", progress: bool = True) -> list:
+    """The turn loop: play `episodes` on their `games` from wherever they stand to the end.
+
+    Each episode waits for its next reply (a fresh one from `play_episodes`, or a copy of another
+    up to some turn with its game restored to that turn's state: branch.py). `forced[i]` is a list
+    of replies (token ids) episode i gives at its next turns, in order, instead of samples (a
+    demonstration's replies: the answer, then the end-of-reply token); once they are used up it
+    samples. Forced tokens are trained like generated ones (response mask 1), but the engine never
+    sampled them, so their rollout log-prob is NaN, "none": TIS and the mismatch meter leave them
+    out (grpo.sampled_mask). Each reply's seed is request_seed(seed, sample_id, its turn index).
+    """
+    from vllm import SamplingParams
+
+    # id(image) -> content digest, computed once per image (the episodes keep the images alive)
+    images_by_id = {id(image): image for e in episodes for image in e.images}  # branches share their parent's
+    digests = {key: image_digest(image) for key, image in images_by_id.items()}
+
+    def add_image(episode: Episode, image):
+        episode.images.append(image)
+        digests[id(image)] = image_digest(image)
 
     no_vision_tokens = sampling_logit_bias(chat.banned_token_ids)
+    forced = [list(replies) for replies in forced]  # consumed below; the caller's lists stay as they are
 
     def sampling_params(episode: Episode, turn: int):
         # detokenize=False: the engine returns token ids only; we decode each reply once, below
@@ -461,26 +508,35 @@ def play_episodes(engine, chat: ChatFormat, mazes: list, group_ids: list, *, sam
                               logit_bias=no_vision_tokens, detokenize=False)
 
     bar = tqdm(total=len(episodes), desc=desc, unit="ep", disable=not progress, leave=False)
-    turn = 0
     while active := [i for i, e in enumerate(episodes) if not e.done]:
-        prompts = []
+        prompts = {}
         for i in active:
             ids, images = episodes[i].next_prompt(max_images)
-            prompts.append({"prompt_token_ids": ids, "multi_modal_data": {"image": images},
-                            "multi_modal_uuids": {"image": [digests[id(image)] for image in images]}})
-        params = [sampling_params(episodes[i], turn) for i in active]
-        outputs = engine.generate(prompts, params, lora_request=lora_request, use_tqdm=False)
-        texts = decode_replies(chat.tokenizer, [out.outputs[0].token_ids for out in outputs])
-        for i, prompt, out, text in zip(active, prompts, outputs, texts):
-            episode, game, completion = episodes[i], games[i], out.outputs[0]
-            reply_ids = list(completion.token_ids)
-            expanded_prompt = list(out.prompt_token_ids)  # vLLM expanded the image placeholders
+            prompts[i] = {"prompt_token_ids": ids, "multi_modal_data": {"image": images},
+                          "multi_modal_uuids": {"image": [digests[id(image)] for image in images]}}
+        sampled = [i for i in active if not forced[i]]
+        outputs = dict(zip(sampled, engine.generate(
+            [prompts[i] for i in sampled], [sampling_params(episodes[i], episodes[i].num_turns) for i in sampled],
+            lora_request=lora_request, use_tqdm=False))) if sampled else {}
+        replies = {i: list(outputs[i].outputs[0].token_ids) if i in outputs else list(forced[i].pop(0))
+                   for i in active}
+        texts = dict(zip(active, decode_replies(chat.tokenizer, [replies[i] for i in active])))
+        for i in active:
+            episode, game, prompt, reply_ids = episodes[i], games[i], prompts[i], replies[i]
             images = prompt["multi_modal_data"]["image"]
-            assert expanded_prompt == chat.expand(prompt["prompt_token_ids"], images), "expansion differs"
-            if completion.logprobs is not None:
-                reply_logprobs = [lp[t].logprob for lp, t in zip(completion.logprobs, reply_ids)]
-            else:  # greedy play does not ask for logprobs
-                reply_logprobs = [0.0] * len(reply_ids)
+            if i in outputs:
+                out = outputs[i]
+                completion = out.outputs[0]
+                expanded_prompt = list(out.prompt_token_ids)  # vLLM expanded the image placeholders
+                assert expanded_prompt == chat.expand(prompt["prompt_token_ids"], images), "expansion differs"
+                if completion.logprobs is not None:
+                    reply_logprobs = [lp[t].logprob for lp, t in zip(completion.logprobs, reply_ids)]
+                else:  # greedy play does not ask for logprobs
+                    reply_logprobs = [0.0] * len(reply_ids)
+                episode.truncated_replies += completion.finish_reason == "length"
+            else:  # a forced reply: no engine call, no sampling log-prob
+                expanded_prompt = chat.expand(prompt["prompt_token_ids"], images)
+                reply_logprobs = [NO_LOGPROB] * len(reply_ids)
             if max_images is None and episode.sequences:
                 # full history: the engine's prompt extends our sequence token for token
                 seq = episode.sequences[0]
@@ -495,11 +551,10 @@ def play_episodes(engine, chat: ChatFormat, mazes: list, group_ids: list, *, sam
                     expanded_prompt + reply_ids, [0] * len(expanded_prompt) + [1] * len(reply_ids),
                     [0.0] * len(expanded_prompt) + reply_logprobs, images))
             episode.reply_ids.append(reply_ids)
-            episode.replies.append(text)
-            episode.truncated_replies += completion.finish_reason == "length"
+            episode.replies.append(texts[i])
 
             episode.states.append(game.agent)
-            obs = game.step(text)
+            obs = game.step(texts[i])
             episode.end_cell = game.agent
             episode.invalid_actions += not obs.valid
             episode.wall_bumps += obs.bumped
@@ -516,9 +571,24 @@ def play_episodes(engine, chat: ChatFormat, mazes: list, group_ids: list, *, sam
             if chat.expanded_len(ids, images) + max_new_tokens > max_model_len:
                 episode.done, episode.end_reason = True, "context_limit"
                 bar.update(1)
-        turn += 1
     bar.close()
     return episodes
+
+
+# The rollout log-prob of a token the engine did not sample (a forced reply): "none", not 0.
+NO_LOGPROB = float("nan")
+
+
+def reply_spans(response_mask: list) -> list[tuple[int, int]]:
+    """[start, end) of each reply (run of 1s) in a response mask, in order."""
+    spans, start = [], None
+    for j, m in enumerate(list(response_mask) + [0]):
+        if m and start is None:
+            start = j
+        elif not m and start is not None:
+            spans.append((start, j))
+            start = None
+    return spans
 
 
 def image_digest(image) -> str:

@@ -36,17 +36,18 @@ from pathlib import Path
 import rollout  # first: sets vLLM's environment for this machine before vllm is imported
 
 import torch  # noqa: E402
+from transformers.hf_argparser import string_to_bool  # noqa: E402  (what train.py's flags take too)
 
 import checkpoint  # noqa: E402
+import config  # noqa: E402
 import env  # noqa: E402
 import policy  # noqa: E402
-from train import parse_bool  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent
 
 VLLM_LORA_RANKS = rollout.VLLM_LORA_RANKS  # what vLLM takes for --max-lora-rank
-# With no adapter to measure yet, fit the rank train.py gives real models (the tiny one uses 8).
-DEFAULT_LORA_RANK = 32
+# With no adapter to measure yet, fit the rank train.py gives real models (config.py).
+DEFAULT_LORA_RANK = config.LORA_RANK["real"]
 
 
 # ----------------------------------------------------------------------------- adapters on disk
@@ -346,7 +347,7 @@ def serve(argv: list[str]):
     parser.add_argument("--max-lora-rank", type=int, default=None,
                         help="default: the largest rank under --adapters, rounded up to one vLLM accepts")
     parser.add_argument("--max-model-len", type=int, default=4096)
-    parser.add_argument("--allow-base-mismatch", type=parse_bool, default=False,
+    parser.add_argument("--allow-base-mismatch", type=string_to_bool, default=False,
                         help="serve adapters trained on another base model too (default: refuse them with a 400)")
     parser.add_argument("--images-per-prompt", type=int, default=16,
                         help="most images in one conversation (one per turn: --max-turns + 1 is plenty)")

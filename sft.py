@@ -8,12 +8,13 @@ RL starts from a supervised checkpoint. The demonstrations are the BFS solver's 
 through the same env, rendered and tokenised exactly as `rollout.py` does it (same chat template,
 same images, same last-k-images policy); only the replies are trained on.
 
-Full fine-tuning of the language model, not LoRA: the tiny model's language model is randomly
-initialised, so there is nothing for a low-rank adapter to adapt. The vision tower stays frozen
+By default a full fine-tuning of the language model (`--lora-rank 0`): the tiny model's language
+model is randomly initialised, so there is little for a low-rank adapter to adapt (`--lora-rank N`
+trains a rank-N LoRA instead and merges it into the weights written). The vision tower stays frozen
 (`--freeze-vision 1`): it arrives able to see (the tiny model's build pretrains it on maze
 pictures, standing in for a real VLM's pretrained encoder), and behaviour cloning, whose signal
-is one action per turn, only blurs what it has learned. For a real pretrained Qwen3-VL you would
-do LoRA SFT instead and merge it. The output is an ordinary HF model directory that
+is one action per turn, only blurs what it has learned. For a real pretrained Qwen3-VL, LoRA SFT
+(`--lora-rank 32`) is the usual choice. The output is an ordinary HF model directory that
 `train.py --model` starts from; GRPO then trains a LoRA on top of it.
 
 Demonstrations can be made noisy (DART, Laskey et al. 2017): with probability `--noise` the
@@ -126,7 +127,7 @@ def make_optimizer(model, lr: float, vision_lr: float = 0.0) -> torch.optim.Adam
     """AdamW over the trainable parameters; the vision tower's, if it is trained at all, at
     `vision_lr` (0: `lr`): it arrives pretrained and may need a gentler hand than the randomly
     initialised language model."""
-    visual = policy.vision_tower(model).visual
+    visual = policy.qwen3_vl_model(model).visual
     vision = {id(p) for p in visual.parameters()}
     groups = [{"params": [p for p in model.parameters() if p.requires_grad and id(p) not in vision]},
               {"params": [p for p in visual.parameters() if p.requires_grad], "lr": vision_lr or lr}]

@@ -1,8 +1,10 @@
 """GRPO post-training of a vision-language model on visual mazes: torchrun + FSDP2 + LoRA + vLLM.
 
-    python train.py                                  # a world of one, the tiny model, CPU
+    python train.py --model runs/main/sft/model      # the main job's GRPO (its defaults are the recipe)
     torchrun --nproc-per-node 8 train.py --model Qwen/Qwen3-VL-8B-Instruct --difficulty easy
-    bash launch/run.sh                               # the main job: tiny model, SFT warm start, GRPO
+    bash launch/run.sh                               # the main job end to end: tiny model, SFT, GRPO
+
+Every flag, its default and its section: config.py (or --help).
 
 Every process owns two things: an FSDP2 shard of the policy (HF Qwen3-VL + PEFT LoRA, policy.py)
 and a whole in-process vLLM engine (rollout.py). One step:
@@ -27,17 +29,13 @@ What of GRPO this keeps (DeepSeekMath Sec. 4): group-relative advantages with th
 (--scale-adv-by-std false gives Dr. GRPO), the clipped ratio, token-mean loss, an optional k3 KL
 to the base model (off by default, as in DAPO and Dr. GRPO). What it adds: clip-higher, GiGPO's
 step-level advantages for the multi-turn setting, truncated importance sampling against the
-engine's own logprobs, and an optional dense reward for progress toward the goal (off by default:
-it did not lift greedy play, docs/experiments.md). With one optimizer step per rollout batch (the
-default) the old policy is the current one, so there is no separate old-logprob pass: the ratio is
-1 with the gradient of log pi, which is exactly the policy gradient.
+engine's own logprobs. With one optimizer step per rollout batch (the default) the old policy is
+the current one, so there is no separate old-logprob pass: the ratio is 1 with the gradient of
+log pi, which is exactly the policy gradient.
 """
 
-import argparse
-import dataclasses
 import gc
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import rollout  # first: sets vLLM's environment before anything imports vllm
@@ -46,143 +44,15 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
+import branch  # noqa: E402
 import checkpoint  # noqa: E402
+from config import Config, parse_config  # noqa: E402
 import distributed  # noqa: E402
 import env  # noqa: E402
 import grpo  # noqa: E402
 import policy  # noqa: E402
 import rundir  # noqa: E402
 from distributed import log0  # noqa: E402
-
-
-# ----------------------------------------------------------------------------- configuration
-
-@dataclass
-class Config:
-    # model and task
-    model: str = ""  # any HF Qwen3-VL directory or hub id; empty: the tiny model, built on first use
-    difficulty: str = "small"  # tiny 5x5 | small 7x7 | easy 9x9 (VisGym) | hard 11x11 (VisGym)
-    env_style: str = "ours"  # or visgym: VisGym's maze for a seed, drawing, texts and parser (env.py)
-    cell_px: int = 0  # 0: the style's own (32 px ours: one cell per merged visual token; 25 visgym)
-    max_turns: int = 15
-    # the training rollouts' turn limit (0: max_turns). More turns than evaluation gives room to
-    # recover from a wrong branch; the discount (gamma) still prices every wasted turn
-    train_max_turns: int = 0
-    max_new_tokens: int = 32  # per turn
-    max_model_len: int = 4096
-    max_images: int = 0  # keep only the last k images in the conversation; 0: full history
-    train_pool: int = 0  # 0: an endless stream of new training mazes; N: the first N over and over
-    # GRPO
-    steps: int = 20
-    prompts_per_step: int = 8  # mazes per step over all ranks; each is played group_size times
-    group_size: int = 8
-    temperature: float = 1.0  # rollout sampling; the loss uses the same tempered policy
-    scale_adv_by_std: bool = True  # False: Dr. GRPO
-    clip_eps_low: float = 0.2
-    clip_eps_high: float = 0.2  # > clip_eps_low: DAPO's clip-higher
-    loss_aggregation: str = "token-mean"  # or seq-mean
-    kl_coef: float = 0.0  # KL to the base model (LoRA disabled); 0 skips the reference pass
-    step_adv_weight: float = 0.0  # GiGPO: A_t = A_episode + w * A_step_t; 0 = plain GRPO
-    gamma: float = 0.95  # discount of the per-turn returns G_t = sum_k gamma^(k-t) * r_k
-    tis_cap: float = 2.0  # truncated importance sampling against the engine's logprobs; 0: off
-    # optimisation
-    lr: float = 1e-4
-    weight_decay: float = 0.0
-    warmup_steps: int = 0  # optimizer steps
-    lr_schedule: str = "constant"  # or cosine (transformers.get_scheduler)
-    max_grad_norm: float = 1.0
-    num_mini_batches: int = 1  # optimizer steps per pass over the rollout batch
-    ppo_epochs: int = 1  # passes over each rollout batch (PPO's sample reuse; the clip bounds the drift)
-    micro_batch_size: int = 4  # sequences per forward/backward
-    # LoRA and sharding
-    lora_rank: int = 0  # 0: 32 (the published recipe) for real models, 8 for the tiny one
-    lora_alpha: int = 0  # 0: 2 * rank
-    lora_dropout: float = 0.0
-    lora_plus_ratio: float = 0.0  # LoRA+: B learns this many times faster than A (lr); 0: the same rate
-    lora_targets: str = rollout.LORA_TARGET_REGEX
-    shard_group_size: int = 0  # processes that shard one copy of the policy; 0: one node (HSDP)
-    # engine
-    gpu_memory_utilization: float = 0.45
-    # how the engine frees the GPU for the update: offload (weights to host RAM) | kv (drop only the
-    # KV cache) | none | auto (decides after the first step; rollout.EngineSleep). CPU: always none
-    engine_sleep: str = "offload"
-    # stop when the trainer-vs-engine logprob mismatch stays above this bound for mismatch_steps
-    # steps in a row (a stale adapter in the engine); 0: the stack's own (policy.StalePolicyGuard)
-    mismatch_bound: float = 0.0
-    mismatch_steps: int = 3  # 0: never stop
-    # evaluation, checkpoints, exports
-    eval_interval: int = 10
-    eval_mazes: int = 64
-    sampled_eval_samples: int = 0  # >0: also the sampled solve rate at the start and end
-    sampled_eval_temperature: float = 1.0  # its sampling temperature (1: the policy itself)
-    ckpt_interval: int = 20
-    export_interval: int = 20
-    keep_checkpoints: int = 3
-    keep_syncs: int = 3
-    resume: str = "latest"  # latest | none | <checkpoint dir>
-    resume_allow_changes: bool = False  # resume although meaningful settings differ (they take effect)
-    archive_old_run: bool = False  # a fresh start into a used --out-dir moves the old run into <out>/archive/
-    take_over_lock: bool = False  # take the run lock although its holder (on another host) may still run
-    # paths and misc
-    out_dir: str = "runs/default"
-    shared_dir: str = ""  # visible to every node; empty: <out_dir>/shared
-    seed: int = 0
-    progress: bool = True
-
-    def validate(self, world_size: int):
-        problems = []
-        if self.difficulty not in env.DIFFICULTY_SIZES:
-            problems.append(f"difficulty must be one of {list(env.DIFFICULTY_SIZES)}")
-        if self.env_style not in env.MAZE_STYLES:
-            problems.append(f"env_style must be one of {list(env.MAZE_STYLES)}")
-        if self.prompts_per_step % world_size:
-            problems.append(f"prompts_per_step ({self.prompts_per_step}) must be a multiple of the "
-                            f"number of processes ({world_size}) so every rank does the same work")
-        if self.group_size < 2:
-            problems.append("group_size must be >= 2: a group of one has no baseline")
-        if (self.prompts_per_step // world_size * self.group_size) % self.num_mini_batches:
-            problems.append("episodes per rank must divide into num_mini_batches")
-        if not (self.temperature > 0 and self.sampled_eval_temperature > 0):
-            problems.append("temperature and sampled_eval_temperature must be > 0 (greedy evaluation is separate)")
-        if self.step_adv_weight < 0 or not 0 < self.gamma <= 1:
-            problems.append("step_adv_weight must be >= 0 and gamma in (0, 1]")
-        if self.loss_aggregation not in ("token-mean", "seq-mean"):
-            problems.append("loss_aggregation must be token-mean or seq-mean")
-        if self.lr_schedule not in ("constant", "cosine"):
-            problems.append("lr_schedule must be constant or cosine")
-        if self.tis_cap < 0 or self.train_pool < 0 or self.sampled_eval_samples < 0:
-            problems.append("tis_cap, train_pool and sampled_eval_samples must be >= 0")
-        for name in ("steps", "ppo_epochs", "max_turns", "max_new_tokens", "micro_batch_size", "eval_interval",
-                     "ckpt_interval", "export_interval", "keep_checkpoints", "keep_syncs"):
-            if getattr(self, name) < 1:
-                problems.append(f"{name} must be >= 1")
-        if self.engine_sleep not in rollout.ENGINE_SLEEP_MODES:
-            problems.append(f"engine_sleep must be one of {list(rollout.ENGINE_SLEEP_MODES)}")
-        if self.mismatch_bound < 0 or self.mismatch_steps < 0:
-            problems.append("mismatch_bound and mismatch_steps must be >= 0")
-        if self.train_max_turns < 0:
-            problems.append("train_max_turns must be >= 0 (0: max_turns)")
-        if self.lora_rank and self.lora_rank not in rollout.VLLM_LORA_RANKS:
-            problems.append(f"lora_rank {self.lora_rank}: the engine (vLLM) takes only {list(rollout.VLLM_LORA_RANKS)}")
-        if problems:
-            raise SystemExit("bad config: " + "; ".join(problems))
-
-
-def parse_bool(text: str) -> bool:
-    value = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}.get(text.lower())
-    if value is None:
-        raise argparse.ArgumentTypeError(f"expected true/false/1/0/yes/no, got {text!r}")
-    return value
-
-
-def parse_config(argv=None) -> Config:
-    """One flag per Config field: --prompts-per-step 8, --scale-adv-by-std false, ..."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    types = {"int": int, "float": float, "str": str, "bool": parse_bool}
-    for f in dataclasses.fields(Config):
-        kind = types[f.type] if isinstance(f.type, str) else {bool: parse_bool}.get(f.type, f.type)
-        parser.add_argument("--" + f.name.replace("_", "-"), type=kind, default=f.default)
-    return Config(**vars(parser.parse_args(argv)))
 
 
 # ----------------------------------------------------------------------------- evaluation
@@ -226,7 +96,7 @@ def build_rank_engine(cfg: Config, model_path: str, rank: int):
     rng, t0 = checkpoint.rng_states(), time.time()
     engine = rollout.build_engine(model_path, max_model_len=cfg.max_model_len, max_lora_rank=cfg.lora_rank,
                                   seed=cfg.seed + rank, gpu_memory_utilization=cfg.gpu_memory_utilization,
-                                  max_images=max(cfg.max_turns, cfg.train_max_turns) + 1, external_launcher=True,
+                                  max_images=cfg.max_turns + 1, external_launcher=True,
                                   sleep_mode=cfg.engine_sleep != "none",
                                   max_image_px=env.DIFFICULTY_SIZES[cfg.difficulty]
                                   * env.cell_px_of(cfg.env_style, cfg.cell_px),
@@ -264,8 +134,7 @@ def main(cfg: Config):
     on_gpu = torch.cuda.is_available()
     device = torch.device("cuda", local_rank) if on_gpu else torch.device("cpu")
     model_path = policy.resolve_model(cfg.model)  # downloads once per node, then every rank loads it
-    cfg.lora_rank = cfg.lora_rank or (32 if cfg.model else 8)
-    cfg.lora_alpha = cfg.lora_alpha or 2 * cfg.lora_rank
+    cfg.resolve_model_defaults(model_path)  # LoRA rank and reply length: the tiny model's or a real one's
     base = checkpoint.base_model_record(model_path)
     out, shared = Path(cfg.out_dir), Path(cfg.shared_dir or Path(cfg.out_dir) / "shared")
     # the run lock, the checkpoint to resume from, and no fresh start over another run's files
@@ -276,7 +145,7 @@ def main(cfg: Config):
     # The policy first (identical seed on every rank), then this rank's engine (its own seed).
     chat = rollout.ChatFormat.for_model(model_path)
     model = policy.build_policy(cfg, model_path)
-    optimizer = policy.make_optimizer(model, cfg.lr, cfg.weight_decay, cfg.lora_plus_ratio)
+    optimizer = policy.make_optimizer(model, cfg.lr, cfg.weight_decay)
     scheduler = policy.make_scheduler(optimizer, cfg)
     stream = env.TrainMazeStream(cfg.difficulty, eval_n=cfg.eval_mazes, pool=cfg.train_pool, style=cfg.env_style)
     start_step, hours = checkpoint.load(Path(ckpt), cfg, model, optimizer, scheduler, stream, log=log0) \
@@ -302,10 +171,12 @@ def main(cfg: Config):
         mine = list(range(rank * per_rank, (rank + 1) * per_rank))
         episodes = rollout.play_episodes(
             engine, chat, [mazes[i] for i in mine], [step * cfg.prompts_per_step + i for i in mine],
-            samples_per_maze=cfg.group_size, max_turns=cfg.train_max_turns or cfg.max_turns,
+            samples_per_maze=cfg.group_size, max_turns=cfg.max_turns,
             max_new_tokens=cfg.max_new_tokens, max_model_len=cfg.max_model_len, temperature=cfg.temperature,
             seed=cfg.seed, lora_request=lora_request, cell_px=cfg.cell_px, style=cfg.env_style,
             max_images=cfg.max_images or None, desc=f"rollout@{step + 1}", progress=cfg.progress and rank == 0)
+        # and the forks the groups passed, replayed with every open move (branch.py; off by default)
+        branch_experiences, branch_stats = branch.branch_step(cfg, engine, chat, episodes, lora_request)
         sleeper.sleep(engine)  # time-slicing: the engine gives the GPU to the trainer (--engine-sleep)
         timing["rollout_s"] = time.time() - t0
         metrics.update(rollout.rollout_metrics(episodes))
@@ -314,7 +185,8 @@ def main(cfg: Config):
         t0 = time.time()
         experiences, stats = grpo.episode_experiences(episodes, gamma=cfg.gamma, step_adv_weight=cfg.step_adv_weight,
                                                       scale_by_std=cfg.scale_adv_by_std)
-        metrics.update(stats)
+        experiences += branch_experiences  # the forks' targets, each in its parent episode's mini-batch
+        metrics.update(stats, **branch_stats)
         timing["advantages_s"] = time.time() - t0
 
         # 3. the update: the policy-gradient loss on the sampled tokens (policy.grpo_update)
@@ -363,4 +235,4 @@ def main(cfg: Config):
 
 
 if __name__ == "__main__":
-    main(parse_config())
+    main(parse_config(description=__doc__))

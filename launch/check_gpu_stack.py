@@ -162,7 +162,7 @@ def trainer_step(tiny: str):
 
     os.environ.pop("RANK", None)
     distributed.init_distributed()
-    cfg = train.Config(lora_rank=8, lora_alpha=16, micro_batch_size=2)
+    cfg = train.Config(lora_rank=8, lora_alpha=16, micro_batch_size=2, temperature=1.0, warmup_steps=0)
     model = policy.build_policy(cfg, tiny)
     chat = rollout.ChatFormat.for_model(tiny)
     sequences = sft.demonstrations(chat, 4, max_turns=5)

@@ -161,7 +161,8 @@ def shape_checks(shape: str, device, text: dict, vision: dict, cell_px: int, dif
                                                                       temporal_patch_size=2),
                                 image_token_id=IDS["image_token_id"], tokenizer=SimpleNamespace(pad_token_id=0))
     cfg = train.Config(lora_rank=32 if shape == "8b" else 8, lora_alpha=64 if shape == "8b" else 16,
-                       micro_batch_size=1 if shape == "8b" else 2, tis_cap=2.0, lr=1e-3)
+                       micro_batch_size=1 if shape == "8b" else 2, tis_cap=2.0, lr=1e-3,
+                       temperature=1.0, warmup_steps=0)  # the logprobs below are T = 1 ones
     state = {}
 
     def build():

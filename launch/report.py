@@ -3,7 +3,8 @@
     python launch/report.py runs/default                    # one run
     python launch/report.py runs/seed0 runs/seed1 runs/seed2   # several seeds: a table with mean and spread
 
-Writes <run>/solve_rate.png (held-out solve rate per eval step, training reward per step) and
+Writes <run>/solve_rate.png (the held-out greedy solve rate at each evaluation, and the training
+solve rate as a rolling mean, labelled with the temperature the run sampled at) and
 <run>/final_episode.gif (the final policy's greedy play of one evaluation maze, replayed through
 the env from the replies logged in eval/step_<N>.json), and prints the before/after table.
 """
@@ -26,25 +27,42 @@ def load_evals(run: Path) -> list[dict]:
     return rundir.run_evals(run)
 
 
-def plot_curves(run: Path, evals: list[dict]) -> Path:
+def rolling_mean(values: list[float], window: int) -> list[float]:
+    """The mean of each value and the window - 1 before it (of fewer at the start)."""
+    import numpy as np
+
+    sums = np.concatenate([[0.0], np.cumsum(values)])
+    end = np.arange(1, len(values) + 1)
+    start = np.maximum(end - window, 0)
+    return ((sums[end] - sums[start]) / (end - start)).tolist()
+
+
+def plot_curves(run: Path, evals: list[dict], window: int = 25) -> Path:
+    """The held-out greedy curve, and the training solve rate: one step's few mazes are mostly
+    noise, so its `window`-step rolling mean, at the temperature the run sampled at."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    config = json.loads((run / "config.json").read_text())
     metrics_file = run / "metrics.jsonl"
     metrics = [json.loads(line) for line in metrics_file.read_text().splitlines()] if metrics_file.exists() else []
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot([r["step"] for r in evals], [100 * r["solve_rate"] for r in evals], "o-",
             label=f"held-out solve rate ({evals[0]['total']} {evals[0]['difficulty']} mazes, greedy)")
     if metrics:
-        ax.plot([m["step"] for m in metrics], [100 * m["solve_rate"] for m in metrics], alpha=0.5,
-                label="training solve rate (sampled, T=1)")
+        steps, rates = [m["step"] for m in metrics], [100 * m["solve_rate"] for m in metrics]
+        episodes = config.get("prompts_per_step", 0) * config.get("group_size", 0)
+        ax.plot(steps, rates, color="tab:orange", alpha=0.15, lw=0.8)
+        ax.plot(steps, rolling_mean(rates, window), color="tab:orange",
+                label=f"training solve rate (sampled at T {config.get('temperature', 1.0)}, "
+                      + (f"{episodes} episodes a step; " if episodes else "") + f"{window}-step rolling mean)")
     ax.set_xlabel("GRPO step")
     ax.set_ylabel("% solved")
     ax.set_ylim(0, 100)
     ax.grid(alpha=0.3)
-    ax.legend(loc="lower right")
-    ax.set_title(run.name)
+    ax.legend(loc="lower right", fontsize=8)
+    ax.set_title(f"{run} (seed {config.get('seed')}, {config.get('difficulty')} mazes)")
     fig.tight_layout()
     path = run / "solve_rate.png"
     fig.savefig(path, dpi=120)
@@ -145,7 +163,7 @@ def lift_record(run: Path, kind: str, command: str) -> dict:
             "best_step": best["step"], "final_solved": evals[-1]["solved"], "final_step": evals[-1]["step"],
             "sampled_before": evals[0].get("sampled_solve_rate"), "sampled_after": evals[-1].get("sampled_solve_rate"),
             "sampled_temperature": sampled_temperature(config),
-            "train_temperature": config.get("temperature", 1.0), "progress_reward": config.get("progress_reward", 0.0),
+            "train_temperature": config.get("temperature", 1.0),
             # a run still under way reads as such: grpo_steps short of planned_steps
             "grpo_steps": len(metrics), "planned_steps": config.get("steps"),
             "grpo_minutes": round(sum(m["step_s"] for m in metrics) / 60, 1),
@@ -199,7 +217,7 @@ def main():
     if args.record:
         record([lift_record(run, args.record, args.command) for run in args.runs], args.results)
         print(f"\nrecorded in {args.results}")
-    # written by launch/seeds.sh next to each run: the policies played on another maze size
+    # written by experiments/seeds.sh next to each run: the policies played on another maze size
     other = [(run, json.loads(p.read_text())) for run in args.runs
              for p in sorted((run.parent / "generalisation").glob("*.json"))]
     if other:

@@ -7,7 +7,7 @@
 #   bash launch/run.sh                                  # 7x7 mazes, seed 0, into runs/main
 #   OUT=runs/easy DIFFICULTY=easy SEED=1 bash launch/run.sh --steps 200
 #
-# Extra arguments go to train.py (they override the defaults below). OUT holds everything; the
+# Extra arguments go to train.py (they override its defaults, which are the recipe). OUT holds everything; the
 # SFT model is reused if it is already there, and train.py resumes from its latest checkpoint, so
 # a killed job continues where it stopped. SFT_STEPS sets the warm start's length: 250 steps stop
 # it in the 30-60% band of held-out solve rate, so that GRPO has room to show what it adds (3,000
@@ -26,10 +26,8 @@ if [ ! -f "$out/sft/model/config.json" ]; then
   .venv/bin/python sft.py --out "$out/sft" --difficulty "$difficulty" --seed "$seed" \
     --steps "${SFT_STEPS:-250}" --noise "${SFT_NOISE:-0}"
 fi
-.venv/bin/python train.py --model "$out/sft/model" --out-dir "$out/grpo" --difficulty "$difficulty" --seed "$seed" \
-  --lora-rank 8 --steps 300 --prompts-per-step 4 --group-size 8 --max-new-tokens 8 \
-  --temperature 0.5 --lr 1e-3 --warmup-steps 10 --step-adv-weight 1 --micro-batch-size 16 \
-  --eval-interval 25 --sampled-eval-samples 8 --ckpt-interval 50 --export-interval 50 "$@"
+# the GRPO recipe is train.py's defaults (config.py); only paths, the seed and the maze size here
+.venv/bin/python train.py --model "$out/sft/model" --out-dir "$out/grpo" --difficulty "$difficulty" --seed "$seed" "$@"
 # RECORD=main adds this run to docs/results/rl_lift.json (what the README's table quotes)
 .venv/bin/python launch/report.py "$out/grpo" ${RECORD:+--record "$RECORD" --command "${OUT:+OUT=$OUT }SEED=$seed RECORD=$RECORD bash launch/run.sh${*:+ $*}"}
 echo "[run] main job finished in $(( ($(date +%s) - start) / 60 )) min (setup and model build included)"

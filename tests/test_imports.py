@@ -1,5 +1,6 @@
 """Imports run one way: the top-level modules never import from launch/ or experiments/, and the
-core (env -> rollout -> grpo -> policy -> checkpoint/rundir -> train) never imports what comes after it."""
+core (env -> rollout -> grpo -> policy -> checkpoint/rundir -> train) never imports what comes after it;
+config.py (the recipe) imports nothing of the trainer's, and serve.py nothing of train.py's."""
 
 import ast
 from pathlib import Path
@@ -13,12 +14,14 @@ ALLOWED = {
     "tiny_model": {"env", "rollout"},
     "visgym": {"env"},
     "rollout": {"env", "visgym"},
-    "checkpoint": {"distributed"},
+    "config": {"env", "rollout"},
+    "checkpoint": {"config", "distributed"},
     "rundir": {"checkpoint", "distributed"},
     "policy": {"checkpoint", "distributed", "grpo", "rollout", "tiny_model"},
-    "train": {"checkpoint", "distributed", "env", "grpo", "policy", "rollout", "rundir"},
+    "branch": {"env", "grpo", "rollout", "sft", "visgym"},
+    "train": {"branch", "checkpoint", "config", "distributed", "env", "grpo", "policy", "rollout", "rundir"},
     "sft": {"env", "grpo", "policy", "rollout", "rundir", "visgym"},
-    "serve": {"checkpoint", "env", "policy", "rollout", "train"},
+    "serve": {"checkpoint", "config", "env", "policy", "rollout"},
 }
 
 

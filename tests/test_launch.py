@@ -27,8 +27,8 @@ import env
 
 ROOT = Path(__file__).resolve().parent.parent
 # Smaller than test_train.py's runs: 2 evaluation mazes, evaluation only at the start and the end.
-TINY = ["--prompts-per-step", "2", "--group-size", "4", "--max-turns", "3", "--max-new-tokens", "8",
-        "--eval-mazes", "2", "--eval-interval", "100", "--progress", "false"]
+TINY = ["--prompts-per-step", "2", "--group-size", "4", "--max-turns", "3", "--eval-mazes", "2",
+        "--eval-interval", "100", "--sampled-eval-samples", "0", "--progress", "false"]
 RUN_TIMEOUT = 480  # seconds for a whole run, restarts included (generous: the machine may be shared); every wait is bounded
 
 
@@ -39,10 +39,11 @@ def launch(tmp_path):
     """Start `launch/torchrun.sh` in its own session; whatever is left is killed afterwards."""
     started = []
 
-    def start(out: Path, *args: str, log: str = "log.txt", **env_vars: str) -> subprocess.Popen:
+    def start(out: Path, *args: str, log: str = "log.txt", launcher: Path = ROOT / "launch" / "torchrun.sh",
+              **env_vars: str) -> subprocess.Popen:
         environ = {**os.environ, "NPROC_PER_NODE": "1", **env_vars}  # one process even on a GPU machine
         with open(tmp_path / log, "w") as f:
-            proc = subprocess.Popen(["bash", "launch/torchrun.sh", "--out-dir", str(out), *TINY, *args],
+            proc = subprocess.Popen(["bash", str(launcher), "--out-dir", str(out), *TINY, *args],
                                     cwd=ROOT, env=environ, stdout=f, stderr=subprocess.STDOUT,
                                     start_new_session=True)
         proc.log = tmp_path / log
@@ -177,17 +178,50 @@ def test_worker_killed_mid_step_is_restarted_and_resumes(tmp_path, launch):
           f"kill -> resumed {resumed_at - killed_at:.1f}s, kill -> first step done {first_step_at - killed_at:.1f}s")
 
 
+KILLED_IN_CHECKPOINT = '''"""train.py, SIGKILLed while it writes step {step}'s checkpoint (its files written,
+meta.json not yet), on torchrun's first attempt only (tests/test_launch.py)."""
+import os, runpy, sys
+
+sys.path.insert(0, {root!r})
+import rollout  # noqa: F401  (first, as in train.py)
+import checkpoint
+
+seal = checkpoint.seal
+
+
+def seal_or_die(tmp, meta):
+    if meta["step"] == {step} and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+        os.kill(os.getpid(), 9)
+    seal(tmp, meta)
+
+
+checkpoint.seal = seal_or_die
+sys.argv[0] = os.path.join({root!r}, "train.py")
+runpy.run_path(sys.argv[0], run_name="__main__")
+'''
+
+
+def killed_in_checkpoint(where: Path, step: int) -> Path:
+    """A copy of launch/torchrun.sh whose train.py is the real one with checkpoint.seal replaced
+    by one that kills the process first (at `step`, first attempt only); returns the launcher."""
+    (where / "launch").mkdir(parents=True)
+    shutil.copy(ROOT / "launch" / "torchrun.sh", where / "launch" / "torchrun.sh")
+    (where / "train.py").write_text(KILLED_IN_CHECKPOINT.format(root=str(ROOT), step=step))
+    return where / "launch" / "torchrun.sh"
+
+
 @pytest.mark.slow
 def test_worker_killed_during_a_checkpoint_write_loads_the_previous_checkpoint(tmp_path, launch):
     out, ckpts = tmp_path / "run", tmp_path / "run" / "checkpoints"
-    # train.py SIGKILLs itself in the middle of writing step 2's checkpoint (files half there, no
-    # meta.json), on torchrun's first attempt only
+    # train.py (killed_in_checkpoint) SIGKILLs itself in the middle of writing step 2's checkpoint
+    # (files half there, no meta.json), on torchrun's first attempt only
     # (--keep-syncs 1: the step-2 adapter the engines got before the crash is then the only one
     # kept, and must not push out the step-1 adapter the resumed run writes)
     # (--resume none: a fresh run; torchrun's restart of it still resumes from its own checkpoint,
     # taking over the lock its killed first attempt left)
     proc = launch(out, "--steps", "2", "--ckpt-interval", "1", "--keep-syncs", "1", "--resume", "none",
-                  MAX_RESTARTS="1", GRPO_TEST_KILL_IN_CHECKPOINT="2")
+                  launcher=killed_in_checkpoint(tmp_path / "killed", step=2), PYTHON=sys.executable,
+                  MAX_RESTARTS="1")
     [worker] = wait_for(lambda: workers(proc), "the worker", [proc])
     wait_for(lambda: not psutil.pid_exists(worker) or psutil.Process(worker).status() == psutil.STATUS_ZOMBIE,
              "the worker to die in its checkpoint write", [proc])
@@ -391,7 +425,14 @@ def test_report_tables_come_from_the_logged_files(tmp_path):
          "command": "bash launch/run.sh"}
     assert records[str(a)]["grpo_minutes"] == 1.0  # 20 steps of 3 s
     assert records[str(a)]["planned_steps"] == 30  # of which 20 are done: a run under way
-    assert (records[str(a)]["train_temperature"], records[str(a)]["progress_reward"]) == (0.5, 0.0)
+    assert records[str(a)]["train_temperature"] == 0.5
+
+
+def test_the_training_curve_is_a_rolling_mean():
+    from launch.report import rolling_mean
+
+    assert rolling_mean([0.0, 1.0, 2.0, 6.0], 2) == [0.0, 0.5, 1.5, 4.0]
+    assert rolling_mean([4.0, 0.0, 2.0], 25) == [4.0, 2.0, 2.0]  # fewer than a window at the start
 
 
 # ----------------------------------------------------------------------------- the device check

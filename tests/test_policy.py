@@ -74,9 +74,9 @@ def _features_check(model_dir: str, results):
         # the trainer's: each distinct image encoded once, no padding mask (causal + right padding)
         cached = policy.Batch(seqs, chat.processor, model)
         calls = []
-        tower = policy.vision_tower(model)
-        original = tower.get_image_features
-        tower.get_image_features = lambda pixels, grid, **kw: calls.append(len(grid)) or original(pixels, grid, **kw)
+        inner = policy.qwen3_vl_model(model)
+        original = inner.get_image_features
+        inner.get_image_features = lambda pixels, grid, **kw: calls.append(len(grid)) or original(pixels, grid, **kw)
         got = [policy.sequence_logprobs(model, cached.micro(part, torch.device("cpu"))[0]) for part in ([0, 1], [2, 3])]
     diff = max(((g - reference[rows, :g.shape[1]]).abs() * mask[rows, :g.shape[1]]).max().item()
                for g, rows in zip(got, ([0, 1], [2, 3])))
@@ -208,7 +208,7 @@ def _update_check(model_dir: str, results):
     import sft
 
     distributed.init_distributed()
-    cfg = train.Config(lora_rank=8, lora_alpha=16, micro_batch_size=2, max_grad_norm=1e9, tis_cap=0)
+    cfg = train.Config(lora_rank=8, lora_alpha=16, micro_batch_size=2, max_grad_norm=1e9, tis_cap=0, temperature=1.0)
     model = perturbed_policy(cfg, model_dir)
     chat = rollout.ChatFormat.for_model(model_dir)
     sequences = sft.demonstrations(chat, 4, max_turns=4)
@@ -292,23 +292,37 @@ def test_model_mistakes_are_one_clear_line(tmp_path, monkeypatch):
             policy.resolve_model(model, collective=False)
 
 
-# ----------------------------------------------------------------------------- the optimizer
+# ----------------------------------------------------------------------------- the PPO clip
 
-def test_weight_decay_applies_with_lora_plus_too():
-    """--weight-decay reaches every LoRA group, with LoRA+ on as with it off (PEFT's LoRA+ optimizer
-    reads its own `loraplus_weight_decay` and would leave a plain `weight_decay` unused)."""
-    from peft import LoraConfig, get_peft_model
+def _clip_check(model_dir: str, num_mini_batches: int, ppo_epochs: int, results):
+    """A real update (AdamW at the recipe's rate) of 4 demonstrations, advantages +1/-1, split into
+    mini-batches or passed over more than once: every optimizer step after the first runs on a
+    policy that has moved away from the one that computed the old logprobs."""
+    import distributed
+    import grpo
+    import rollout
+    import sft
 
-    class Two(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.q_proj, self.v_proj = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+    distributed.init_distributed()
+    cfg = train.Config(lora_rank=8, lora_alpha=16, micro_batch_size=4, tis_cap=0, warmup_steps=0,
+                       num_mini_batches=num_mini_batches, ppo_epochs=ppo_epochs)
+    model = perturbed_policy(cfg, model_dir)
+    chat = rollout.ChatFormat.for_model(model_dir)
+    sequences = sft.demonstrations(chat, 4, max_turns=4)
+    batch = policy.Batch(sequences, chat.processor, model)
+    experiences = [grpo.Experience(s, a * torch.tensor(s.response_mask[1:], dtype=torch.float32), i)
+                   for i, (s, a) in enumerate(zip(sequences, [1.0, -1.0, 1.0, -1.0]))]
+    optimizer = policy.make_optimizer(model, cfg.lr)  # grpo_update computes pi_old first (not single-pass)
+    stats = policy.grpo_update(cfg, model, optimizer, policy.make_scheduler(optimizer, cfg), batch, experiences, 4,
+                               torch.device("cpu"))
+    results.put(stats)
 
-    model = get_peft_model(Two(), LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))
-    for ratio in (0.0, 16.0):
-        optimizer = policy.make_optimizer(model, lr=1e-3, weight_decay=0.1, lora_plus_ratio=ratio)
-        groups = [g for g in optimizer.param_groups if g["params"]]
-        assert sum(len(g["params"]) for g in groups) == 4  # A and B of both targets
-        assert all(g["weight_decay"] == 0.1 for g in groups), [(len(g["params"]), g["weight_decay"]) for g in groups]
-        if ratio:
-            assert sorted(g["lr"] for g in groups) == [1e-3, 1e-3 * ratio]  # LoRA+ itself still on
+
+@pytest.mark.parametrize("num_mini_batches, ppo_epochs", [(2, 1), (1, 2)])
+def test_the_clip_acts_with_mini_batches_or_epochs(tiny_model, num_mini_batches, ppo_epochs):
+    """With one optimizer step per rollout batch the ratio is 1 and the clip never acts; with two
+    mini-batches (or two epochs) the later step sees a moved policy and clips some of its tokens.
+    This is what --num-mini-batches and --ppo-epochs are kept for (PPO-style sample reuse)."""
+    out = in_fresh_process(_clip_check, str(tiny_model), num_mini_batches, ppo_epochs)
+    print(f"mini-batches {num_mini_batches}, epochs {ppo_epochs}:", {k: out[k] for k in ("clip_frac", "ratio_mean")})
+    assert out["ratio_mean"] != 1.0 and out["clip_frac"] > 0

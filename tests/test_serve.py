@@ -32,9 +32,10 @@ API_KEY = "test-key"
 START_TIMEOUT_S = 300
 REQUEST_TIMEOUT_S = 120
 # The trainer's flags for a two-step run that exports an adapter and evaluates it.
-TRAIN_ARGS = ["--steps", "2", "--prompts-per-step", "4", "--group-size", "4", "--eval-mazes", "8",
-              "--eval-interval", "2", "--export-interval", "2", "--max-new-tokens", "8", "--lora-rank", "8",
-              "--lr", "1e-3", "--progress", "false"]
+# the recipe otherwise, without its warm-up (2 steps) and its sampled evaluation, at T 1
+TRAIN_ARGS = ["--steps", "2", "--group-size", "4", "--eval-mazes", "8", "--eval-interval", "2",
+              "--export-interval", "2", "--warmup-steps", "0", "--sampled-eval-samples", "0", "--temperature", "1",
+              "--progress", "false"]
 EVAL = dict(difficulty="small", n=8, max_turns=15, max_new_tokens=8)
 
 

@@ -104,7 +104,7 @@ def test_sft_then_grpo_smoke_in_the_visgym_style(tmp_path, tiny_model):
     run = tmp_path / "grpo"
     proc = subprocess.run([sys.executable, "train.py", "--model", str(sft_out / "model"), "--out-dir", str(run),
                            "--steps", "1", "--prompts-per-step", "2", "--group-size", "2", "--max-turns", "3",
-                           "--max-new-tokens", "6", "--eval-mazes", "4", "--lora-rank", "8", "--max-images", "1",
+                           "--max-new-tokens", "6", "--eval-mazes", "4", "--sampled-eval-samples", "0", "--max-images", "1",
                            "--env-style", "visgym", "--difficulty", "easy", "--progress", "false"],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

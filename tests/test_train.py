@@ -20,8 +20,10 @@ import train
 
 ROOT = Path(__file__).resolve().parent.parent
 # 7x7 mazes at the full 15 turns (the shortest solution needs 9): the warm start solves some
-RUN = ["--prompts-per-step", "4", "--group-size", "4", "--max-new-tokens", "8", "--lr", "1e-3", "--lora-rank", "8",
-       "--step-adv-weight", "1", "--micro-batch-size", "16", "--eval-mazes", "8", "--progress", "false"]
+# (the recipe's defaults otherwise, but sampled at T 1 without the warm-up or the sampled evaluation,
+# as these tests were sized)
+RUN = ["--group-size", "4", "--eval-mazes", "8", "--temperature", "1", "--warmup-steps", "0",
+       "--sampled-eval-samples", "0", "--progress", "false"]
 
 
 def train_cmd(out: Path, model: Path, *args: str, nproc: int = 1) -> list[str]:
@@ -273,27 +275,6 @@ def test_the_sampled_evaluation_samples_at_its_own_temperature(tmp_path, engine,
 
 
 # ----------------------------------------------------------------------------- configuration
-
-def test_bad_config_is_a_clear_error():
-    with pytest.raises(SystemExit, match="prompts_per_step"):
-        train.Config(prompts_per_step=3).validate(world_size=2)
-    with pytest.raises(SystemExit, match="difficulty"):
-        train.Config(difficulty="impossible").validate(world_size=1)
-    with pytest.raises(SystemExit, match="train_max_turns"):
-        train.Config(train_max_turns=-1).validate(world_size=1)
-    with pytest.raises(SystemExit, match="train_pool"):
-        train.Config(train_pool=-1).validate(world_size=1)
-    cfg = train.parse_config(["--steps", "7", "--scale-adv-by-std", "false", "--lr", "0.5", "--progress", "No"])
-    assert (cfg.steps, cfg.scale_adv_by_std, cfg.lr, cfg.progress) == (7, False, 0.5, False)
-    assert train.parse_config(["--scale-adv-by-std", "1"]).scale_adv_by_std is True
-
-
-def test_a_misspelt_boolean_is_refused():
-    proc = subprocess.run([sys.executable, "train.py", "--scale-adv-by-std", "ture"], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120)
-    assert proc.returncode == 2
-    assert "argument --scale-adv-by-std: expected true/false/1/0/yes/no, got 'ture'" in proc.stderr
-
 
 def test_the_lr_schedule_is_transformers_own():
     from transformers import get_scheduler

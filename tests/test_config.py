@@ -1,0 +1,111 @@
+"""The recipe (config.py): the command line, what a bad value says, and which fields a checkpoint
+guards on resume, read from the fields themselves."""
+
+import dataclasses
+import json
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+import checkpoint
+import config
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_help_groups_every_flag_under_its_section(capsys):
+    with pytest.raises(SystemExit) as done:
+        config.parse_config(["--help"])
+    assert done.value.code == 0
+    text = capsys.readouterr().out
+    headings = [section._argument_group_name for section in config.SECTIONS]
+    starts = [text.index(f"\n{heading}:\n") for heading in headings]
+    assert starts == sorted(starts)  # task, GRPO, optimisation, LoRA/sharding, engine, evaluation/paths
+    for section, start, end in zip(config.SECTIONS, starts, starts[1:] + [len(text)]):
+        for f in dataclasses.fields(section):
+            assert f"--{f.name}" in text[start:end], (f.name, section.__name__)
+            assert f.metadata["help"].split()[0] in text[start:end], f.name  # its own help text
+
+
+def test_flags_with_dashes_or_underscores_and_booleans():
+    cfg = config.parse_config(["--prompts-per-step", "8", "--group_size", "4", "--scale-adv-by-std", "false",
+                               "--lr", "5e-4", "--progress", "No", "--resume-allow-changes", "1"])
+    assert (cfg.prompts_per_step, cfg.group_size, cfg.scale_adv_by_std, cfg.lr, cfg.progress,
+            cfg.resume_allow_changes) == (8, 4, False, 5e-4, False, True)
+    assert config.parse_config(["--no-progress"]).progress is False
+    assert config.parse_config(["--scale-adv-by-std", "true"]).scale_adv_by_std is True
+    assert config.parse_config([]) == config.Config()  # the defaults are the dataclass's
+
+
+def test_the_defaults_are_the_main_jobs_recipe():
+    """launch/run.sh passes only paths, the seed and the maze size: what it ran with its 18 flags
+    before is now the Config's own defaults (the tiny model's LoRA rank and reply length from
+    resolve_model_defaults)."""
+    recipe = config.parse_config(["--steps", "300", "--prompts-per-step", "4", "--group-size", "8",
+                                  "--temperature", "0.5", "--lr", "1e-3", "--warmup-steps", "10",
+                                  "--step-adv-weight", "1", "--micro-batch-size", "16", "--eval-interval", "25",
+                                  "--sampled-eval-samples", "8", "--ckpt-interval", "50", "--export-interval", "50"])
+    assert recipe == config.Config()
+    run_sh = (ROOT / "launch" / "run.sh").read_text()
+    line = run_sh[run_sh.index("train.py --model"):].split("\n.venv")[0]
+    flags = [w for w in line.split() if w.startswith("--")]
+    assert flags == ["--model", "--out-dir", "--difficulty", "--seed"], flags
+
+
+def test_model_dependent_defaults(tiny_model, tmp_path):
+    cfg = config.Config()
+    cfg.resolve_model_defaults(str(tiny_model))
+    assert (cfg.lora_rank, cfg.lora_alpha, cfg.max_new_tokens) == (8, 16, 8)
+    real = tmp_path / "real"
+    real.mkdir()  # a config as wide as a real Qwen3-VL's language model
+    conf = json.loads((Path(tiny_model) / "config.json").read_text())
+    conf["text_config"]["hidden_size"] = 4096
+    (real / "config.json").write_text(json.dumps(conf))
+    cfg = config.Config(max_new_tokens=12)
+    cfg.resolve_model_defaults(str(real))
+    assert (cfg.lora_rank, cfg.lora_alpha, cfg.max_new_tokens) == (32, 64, 12)  # a value given stays
+
+
+def test_a_bad_value_is_one_bad_config_line():
+    for argv, message in ((["--lr", "fast"], "bad config: argument --lr: invalid float value: 'fast'"),
+                          (["--group-size", "1"], "bad config: group_size must be >= 2"),
+                          (["--lora-plus-ratio", "16"], "bad config: unrecognized arguments: --lora-plus-ratio 16")):
+        proc = subprocess.run([sys.executable, "-c", "import sys, config; "
+                               "config.parse_config(sys.argv[1:]).validate(world_size=1)", *argv],
+                              cwd=ROOT, capture_output=True, text=True, timeout=120)
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 1 and len(lines) == 1 and lines[0].startswith(message), (argv, proc.stderr)
+
+
+def test_meaningful_fields_come_from_the_fields_themselves(monkeypatch):
+    names = config.meaningful_fields()
+    assert {"lr", "group_size", "temperature", "seed", "difficulty", "lora_rank"} <= set(names)
+    assert not {"steps", "out_dir", "micro_batch_size", "eval_interval", "progress"} & set(names)
+
+    @dataclass
+    class WithANewKnob(config.Config):  # a field added to the recipe, declared meaningful where it is defined
+        new_knob: float = config.setting(1.0, "a new setting", meaningful=True)
+        new_path: str = config.setting("a", "a new harmless setting")
+
+    monkeypatch.setattr(config, "Config", WithANewKnob)
+    saved = dataclasses.asdict(WithANewKnob())
+    assert checkpoint.config_changes(saved, dataclasses.asdict(WithANewKnob(new_knob=2.0, new_path="b"))) == \
+        ["new_knob: 1.0 -> 2.0"]
+
+
+def test_an_old_checkpoint_with_a_removed_field(tmp_path):
+    """A removed field saved at its old default resumes (nothing differs); saved at another value,
+    the checkpoint is refused in one line that says where the field's result is recorded."""
+    old = {**dataclasses.asdict(config.Config()), **{name: default for name, (default, _) in
+                                                     config.REMOVED_FIELDS.items()}}
+    assert config.removed_settings(old) == []
+    assert checkpoint.config_changes(old, dataclasses.asdict(config.Config())) == []
+    (tmp_path / "meta.json").write_text(json.dumps({"step": 4, "config": {**old, "progress_reward": 0.1}}))
+    with pytest.raises(SystemExit) as refused:
+        checkpoint.load(tmp_path, config.Config(), None, None, None, None)
+    message = str(refused.value)
+    assert "progress_reward = 0.1 (removed; its result: docs/experiments.md" in message and "\n" not in message
+    assert "new --out-dir" in message
