@@ -1,9 +1,11 @@
 """Shared fixtures: the tiny model and a short SFT of it (built once into .cache/), one in-process
 vLLM engine."""
 
+import fcntl
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +16,17 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import rollout  # noqa: E402  (sets the vLLM environment before vllm is imported anywhere)
+
+
+# The slowest files first: pytest-xdist (launch/test.sh) hands whole files to its workers in
+# this order, so none of the long ones is left to start when the other worker is nearly done.
+SLOW_FILES_FIRST = ("test_train.py", "test_launch.py", "test_serve.py", "test_bad_input.py", "test_experiments.py",
+                    "test_sft.py", "test_branch.py", "test_policy.py")
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(SLOW_FILES_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: a file keeps its order
 
 
 @pytest.fixture(scope="session")
@@ -40,12 +53,49 @@ def warm_start(tiny_model) -> Path:
     build = json.loads((tiny_model / "BUILD_INFO.json").read_text())["fingerprint"]
     recipe = hashlib.sha256((ROOT / "sft.py").read_bytes()).hexdigest()[:8]
     out = ROOT / ".cache" / f"warm-start-{WARM_START_STEPS}-{build}-{recipe}"
-    if not (out / "model" / "config.json").exists():
-        proc = subprocess.run([sys.executable, "sft.py", "--out", str(out), "--steps", str(WARM_START_STEPS),
-                               "--seed", "0", "--log-every", "50"], cwd=ROOT, capture_output=True, text=True,
-                              timeout=900)
-        assert proc.returncode == 0, proc.stderr[-3000:]
+    # under pytest-xdist every worker asks for it at once: the first builds it, the others wait
+    with open(ROOT / ".cache" / f"{out.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (out / "model" / "config.json").exists():
+            build_warm_start(out)
     return out / "model"
+
+
+def build_warm_start(out: Path):
+    proc = subprocess.run([sys.executable, "sft.py", "--out", str(out), "--steps", str(WARM_START_STEPS),
+                           "--seed", "0", "--log-every", "50"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+# The short GRPO run that the resume, damaged-checkpoint, branch and serve tests read: 4 steps
+# from the warm start at T 1, with checkpoints, evaluations and adapter exports at steps 2 and
+# 4, LoRA dropout (so a resume must restore torch's RNG) and branch rollouts (so the resume
+# covers them too); the recipe otherwise, without its warm-up and its sampled evaluation.
+SHORT_RUN = ["--steps", "4", "--group-size", "4", "--eval-mazes", "8", "--temperature", "1", "--warmup-steps", "0",
+             "--sampled-eval-samples", "0", "--progress", "false", "--ckpt-interval", "2", "--eval-interval", "2",
+             "--export-interval", "2", "--lora-dropout", "0.1", "--branch-points-per-group", "2"]
+
+
+def shared_tmp(tmp_path_factory) -> Path:
+    """This session's temporary root, the same for every pytest-xdist worker."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+@pytest.fixture(scope="session")
+def short_run(tmp_path_factory, warm_start) -> Path:
+    """The run directory of SHORT_RUN, made once per session (whichever worker asks first runs it;
+    the others wait for it). Tests read it; one that changes it works on a copy."""
+    out = shared_tmp(tmp_path_factory) / "short-run"
+    with open(f"{out}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (out / "summary.json").exists():
+            shutil.rmtree(out, ignore_errors=True)  # a worker that failed half-way
+            proc = subprocess.run([sys.executable, "train.py", "--model", str(warm_start), "--out-dir", str(out),
+                                   *SHORT_RUN], cwd=ROOT, capture_output=True, text=True, timeout=900)
+            assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return out
 
 
 @pytest.fixture(scope="session")

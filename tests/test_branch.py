@@ -327,21 +327,19 @@ def test_the_branch_term_lifts_a_confidently_wrong_fork_like_an_sft_step(engine,
 # ----------------------------------------------------------------------------- in the main job
 
 @pytest.mark.slow
-def test_a_training_run_with_branches_logs_them(tmp_path, warm_start):
-    """train.py with --branch-points-per-group: the run completes, every step logs its branch
-    points, targets and the extra engine turns, and the targets are trained (the mismatch stays
-    the engine's noise: the forced tokens are not read as log-prob 0)."""
-    from test_train import read_metrics, run_train
+def test_a_training_run_with_branches_logs_them(short_run):
+    """train.py with --branch-points-per-group (the tests' short run): every step logs its branch
+    points, targets and the extra engine turns, and some targets are trained. (That the forced
+    tokens are not read as log-prob 0 is test_forced_tokens_are_left_out_of_tis_and_the_mismatch's;
+    the run's LoRA dropout blurs the mismatch here.)"""
+    from test_train import read_metrics
 
-    out = tmp_path / "run"
-    run_train(out, warm_start, "--steps", "2", "--temperature", "0.5", "--branch-points-per-group", "2",
-              "--eval-interval", "1000", "--ckpt-interval", "1000", "--export-interval", "1000")
-    metrics = read_metrics(out)
-    assert len(metrics) == 2
+    metrics = read_metrics(short_run)
+    assert len(metrics) == 4
     for m in metrics:
         assert 1 <= m["branch_points"] <= 2 * 4 and m["branch_targets"] <= m["branch_points"]
         assert m["branch_episodes"] >= m["branch_points"] and m["branch_engine_turns"] > 0  # a dead end: one
-        assert m["branch_generated_tokens"] > 0 and m["mismatch_abs_mean"] < 1e-4
+        assert m["branch_generated_tokens"] > 0
     assert sum(m["branch_targets"] for m in metrics) > 0
-    saved = json.loads((out / "config.json").read_text())
+    saved = json.loads((short_run / "config.json").read_text())
     assert saved["branch_points_per_group"] == 2

@@ -1,9 +1,10 @@
 """The launchers and crash recovery, shown on the tiny model with launch/torchrun.sh:
 
-- two "nodes" on one machine meet at a c10d rendezvous and train into one shared run dir;
-- a worker killed with SIGKILL mid-step is restarted by torchrun and resumes from `latest`,
-  with no maze seed repeated or skipped and one metrics line per step (lost work printed: -s);
-- a worker killed in the middle of writing a checkpoint: the restart loads the previous one;
+- two "nodes" on one machine meet at a c10d rendezvous and train one run into one run dir, the
+  engines of both sampling from exactly the trainer's policy after every sync;
+- a worker killed in the middle of writing a checkpoint is restarted by torchrun and loads the
+  previous one; killed again mid-step, it resumes from `latest`; no maze seed repeated or skipped
+  and one metrics line per step (lost work printed: -s);
 - launch/slurm.sbatch under stub srun/scontrol, and the Kubernetes manifests, give the
   torchrun command lines a cluster needs.
 """
@@ -134,48 +135,41 @@ def assert_one_line_per_step_and_the_uninterrupted_maze_stream(out: Path, steps:
 # ----------------------------------------------------------------------------- torchrun
 
 @pytest.mark.slow
-def test_two_nodes_on_one_machine(tmp_path, launch):
+def test_two_nodes_on_one_machine(tmp_path, launch, warm_start):
+    """Two "nodes" (one process each) meet at a c10d rendezvous and train one run into one run
+    dir, at the main job's temperature (0.5: the engines report the tempered log-probs,
+    logprobs_mode="processed_logprobs"): both nodes' groups in the statistics, a real update, and
+    after it and the sync the engines of both ranks sample from exactly the trainer's updated
+    policy (the mismatch stays at fp32 rounding)."""
     out, shared, port = tmp_path / "run", tmp_path / "shared", free_port()
-    nodes = [launch(out, "--steps", "2", "--shared-dir", str(shared), log=f"node{rank}.txt",
+    # the warm start at 15 turns, so groups have reward spread; --train-pool 4 --group-size 8:
+    # step 2 plays step 1's mazes again, 8 times each, so the maze whose group had spread at
+    # step 1 has it again under the updated policy
+    real = ["--model", str(warm_start), "--max-turns", "15", "--temperature", "0.5", "--prompts-per-step", "4",
+            "--train-pool", "4", "--group-size", "8", "--eval-interval", "2", "--ckpt-interval", "2"]
+    nodes = [launch(out, "--steps", "2", "--shared-dir", str(shared), *real, log=f"node{rank}.txt",
                     NNODES="2", NPROC_PER_NODE="1", NODE_RANK=str(rank), RDZV_ENDPOINT=f"127.0.0.1:{port}",
                     RDZV_ID="two-nodes", OMP_NUM_THREADS="1")  # two "nodes" share two cores
              for rank in (0, 1)]
     logs = [finish(node) for node in nodes]
     assert "is not shared" not in "".join(logs)
     assert (shared / "shared_dir_check.txt").exists()
-    assert_one_line_per_step_and_the_uninterrupted_maze_stream(out, 2)
-    assert metrics(out)[-1]["num_groups"] == 2  # one maze per node, both in the group statistics
+    lines = metrics(out)
+    assert [m["step"] for m in lines] == [1, 2]
+    assert all(m["num_groups"] == 4 for m in lines)  # every group of the step, from both nodes
+    print("per step (mismatch, trained fraction, grad norm):",
+          [(m["mismatch_abs_mean"], m["trained_sequence_frac"], m["grad_norm"]) for m in lines])
+    # step 2 samples from a policy that step 1 really changed, and trains on some of it (the
+    # mismatch is measured on the sequences trained)
+    assert lines[0]["grad_norm"] > 0 and lines[1]["trained_sequence_frac"] > 0
+    assert all(m["mismatch_abs_mean"] < 1e-5 and abs(m["tis_weight_mean"] - 1) < 1e-4 for m in lines)
     assert (out / "checkpoints" / "latest").read_text() == "step_2"
+    from test_train import lora_b_norm
 
-
-@pytest.mark.slow
-def test_worker_killed_mid_step_is_restarted_and_resumes(tmp_path, launch):
-    out, steps = tmp_path / "run", 3
-    proc = launch(out, "--steps", str(steps), "--ckpt-interval", "1", MAX_RESTARTS="1")
-    [worker] = wait_for(lambda: workers(proc), "the worker", [proc])
-    # `latest` names step k only after step k's metrics line is written: step k+1 is under way
-    wait_for(lambda: latest_step(out), "the first checkpoint", [proc], poll=0.05)
-    time.sleep(0.3)  # into the next step's rollouts
-    os.kill(worker, signal.SIGKILL)
-    killed_at = time.time()
-    resumed_step, done_before = latest_step(out), len(metrics(out))
-    last_done_at = (out / "metrics.jsonl").stat().st_mtime
-
-    wait_for(lambda: "torchrun restart 1" in proc.log.read_text(), "the restarted worker to resume", [proc])
-    resumed_at = time.time()
-    # (the resumed run first drops the lines of steps it redoes, so a fresh line is a redone step)
-    wait_for(lambda: (out / "metrics.jsonl").stat().st_mtime > resumed_at
-             and any(m["step"] == resumed_step + 1 for m in metrics(out)), "a step after the restart", [proc])
-    first_step_at = time.time()
-    log = finish(proc)
-
-    assert f"resumed from {out}/checkpoints/step_{resumed_step} at step {resumed_step}" in log
-    assert_one_line_per_step_and_the_uninterrupted_maze_stream(out, steps)
-    step_s = sorted(m["step_s"] for m in metrics(out))[steps // 2]
-    print(f"\n[recovery] SIGKILL to train.py (pid {worker}) during step {done_before + 1} of {steps}; "
-          f"resumed from step_{resumed_step}: {done_before - resumed_step} finished steps redone, "
-          f"{killed_at - last_done_at:.1f}s of the interrupted step lost (a step takes ~{step_s:.1f}s here); "
-          f"kill -> resumed {resumed_at - killed_at:.1f}s, kill -> first step done {first_step_at - killed_at:.1f}s")
+    assert lora_b_norm(out / "checkpoints" / "step_2" / "adapter_model.safetensors") > 1e-3
+    assert json.loads((out / "eval" / "step_2.json").read_text())["total"] == 2
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 2 and abs(summary["steps_s"] - sum(m["step_s"] for m in lines)) < 0.1
 
 
 KILLED_IN_CHECKPOINT = '''"""train.py, SIGKILLed while it writes step {step}'s checkpoint (its files written,
@@ -211,33 +205,52 @@ def killed_in_checkpoint(where: Path, step: int) -> Path:
 
 
 @pytest.mark.slow
-def test_worker_killed_during_a_checkpoint_write_loads_the_previous_checkpoint(tmp_path, launch):
-    out, ckpts = tmp_path / "run", tmp_path / "run" / "checkpoints"
-    # train.py (killed_in_checkpoint) SIGKILLs itself in the middle of writing step 2's checkpoint
-    # (files half there, no meta.json), on torchrun's first attempt only
-    # (--keep-syncs 1: the step-2 adapter the engines got before the crash is then the only one
-    # kept, and must not push out the step-1 adapter the resumed run writes)
-    # (--resume none: a fresh run; torchrun's restart of it still resumes from its own checkpoint,
-    # taking over the lock its killed first attempt left)
-    proc = launch(out, "--steps", "2", "--ckpt-interval", "1", "--keep-syncs", "1", "--resume", "none",
+def test_a_worker_killed_in_a_checkpoint_write_and_then_mid_step_resumes_each_time(tmp_path, launch):
+    """One run, two crashes, each restarted by torchrun (MAX_RESTARTS=2):
+    1. train.py SIGKILLs itself in the middle of writing step 2's checkpoint (files half there, no
+       meta.json; killed_in_checkpoint), on torchrun's first attempt only: the restart loads step
+       1's checkpoint, taking over the lock the dead attempt left;
+    2. the test SIGKILLs the restarted worker during step 4's rollouts: the next restart resumes
+       from step 3's checkpoint (lost work printed: -s).
+    After both: one metrics line per step and the maze stream of a run that never crashed."""
+    out, ckpts, steps = tmp_path / "run", tmp_path / "run" / "checkpoints", 4
+    # (--keep-syncs 1: the step-2 adapter the engines got before the first crash is then the only
+    # one kept, and must not push out the step-1 adapter the resumed run writes)
+    # (--resume none: a fresh run; torchrun's restarts of it still resume from its own checkpoint)
+    proc = launch(out, "--steps", str(steps), "--ckpt-interval", "1", "--keep-syncs", "1", "--resume", "none",
                   launcher=killed_in_checkpoint(tmp_path / "killed", step=2), PYTHON=sys.executable,
-                  MAX_RESTARTS="1")
-    [worker] = wait_for(lambda: workers(proc), "the worker", [proc])
-    wait_for(lambda: not psutil.pid_exists(worker) or psutil.Process(worker).status() == psutil.STATUS_ZOMBIE,
+                  MAX_RESTARTS="2")
+    [first] = wait_for(lambda: workers(proc), "the worker", [proc])
+    wait_for(lambda: not psutil.pid_exists(first) or psutil.Process(first).status() == psutil.STATUS_ZOMBIE,
              "the worker to die in its checkpoint write", [proc])
-    # what the crash left: a hidden temp dir with part of step 2, `latest` still on step 1
+    # what the first crash left: a hidden temp dir with part of step 2, `latest` still on step 1
     [partial] = list(ckpts.glob(".step_2.tmp-*"))
     assert (partial / "trainer_state.pt").exists() and not (partial / "meta.json").exists()
     assert not (ckpts / "step_2").exists() and latest_step(out) == 1
 
+    # `latest` names step k only after step k's metrics line is written: step k+1 is under way
+    [second] = wait_for(lambda: [w for w in workers(proc) if w != first], "the restarted worker", [proc])
+    wait_for(lambda: latest_step(out) == 3, "step 3's checkpoint", [proc], poll=0.05)
+    time.sleep(0.3)  # into step 4's rollouts
+    os.kill(second, signal.SIGKILL)
+    killed_at = time.time()
+    done_before, last_done_at = len(metrics(out)), (out / "metrics.jsonl").stat().st_mtime
+    wait_for(lambda: "torchrun restart 2" in proc.log.read_text(), "the second restart", [proc])
+    restarted_at = time.time()
     log = finish(proc)
-    assert "torchrun restart 1" in log
-    assert f"resumed from {ckpts}/step_1 at step 1" in log
-    assert log.count(f"taking over {out}/trainer.lock from a trainer that is gone") == 1
+    last_step_at = (out / "metrics.jsonl").stat().st_mtime
+
+    assert f"resumed from {ckpts}/step_1 at step 1" in log and f"resumed from {ckpts}/step_3 at step 3" in log
+    assert log.count(f"taking over {out}/trainer.lock from a trainer that is gone") == 2
     assert not (out / "trainer.lock").exists()  # released at the end
-    assert_one_line_per_step_and_the_uninterrupted_maze_stream(out, 2)
-    assert latest_step(out) == 2 and (ckpts / "step_2" / "meta.json").exists()
+    assert_one_line_per_step_and_the_uninterrupted_maze_stream(out, steps)
+    assert latest_step(out) == steps and (ckpts / "step_2" / "meta.json").exists()
     assert not list(ckpts.glob(".*")), "the next checkpoint clears what the crash left"
+    step_s = sorted(m["step_s"] for m in metrics(out))[steps // 2]
+    print(f"\n[recovery] SIGKILL to train.py (pid {second}) during step {done_before + 1} of {steps}; "
+          f"resumed from step_3: {done_before - 3} finished steps redone, "
+          f"{killed_at - last_done_at:.1f}s of the interrupted step lost (a step takes ~{step_s:.1f}s here); "
+          f"kill -> restarted {restarted_at - killed_at:.1f}s, kill -> last step done {last_step_at - killed_at:.1f}s")
 
 
 def test_torchrun_sh_command_lines():

@@ -294,7 +294,7 @@ def test_model_mistakes_are_one_clear_line(tmp_path, monkeypatch):
 
 # ----------------------------------------------------------------------------- the PPO clip
 
-def _clip_check(model_dir: str, num_mini_batches: int, ppo_epochs: int, results):
+def _clip_check(model_dir: str, settings: list, results):
     """A real update (AdamW at the recipe's rate) of 4 demonstrations, advantages +1/-1, split into
     mini-batches or passed over more than once: every optimizer step after the first runs on a
     policy that has moved away from the one that computed the old logprobs."""
@@ -304,25 +304,30 @@ def _clip_check(model_dir: str, num_mini_batches: int, ppo_epochs: int, results)
     import sft
 
     distributed.init_distributed()
-    cfg = train.Config(lora_rank=8, lora_alpha=16, micro_batch_size=4, tis_cap=0, warmup_steps=0,
-                       num_mini_batches=num_mini_batches, ppo_epochs=ppo_epochs)
-    model = perturbed_policy(cfg, model_dir)
     chat = rollout.ChatFormat.for_model(model_dir)
     sequences = sft.demonstrations(chat, 4, max_turns=4)
-    batch = policy.Batch(sequences, chat.processor, model)
-    experiences = [grpo.Experience(s, a * torch.tensor(s.response_mask[1:], dtype=torch.float32), i)
-                   for i, (s, a) in enumerate(zip(sequences, [1.0, -1.0, 1.0, -1.0]))]
-    optimizer = policy.make_optimizer(model, cfg.lr)  # grpo_update computes pi_old first (not single-pass)
-    stats = policy.grpo_update(cfg, model, optimizer, policy.make_scheduler(optimizer, cfg), batch, experiences, 4,
-                               torch.device("cpu"))
-    results.put(stats)
+    out = {}
+    for num_mini_batches, ppo_epochs in settings:  # each from the same perturbed start
+        cfg = train.Config(lora_rank=8, lora_alpha=16, micro_batch_size=4, tis_cap=0, warmup_steps=0,
+                           num_mini_batches=num_mini_batches, ppo_epochs=ppo_epochs)
+        model = perturbed_policy(cfg, model_dir)
+        batch = policy.Batch(sequences, chat.processor, model)
+        experiences = [grpo.Experience(s, a * torch.tensor(s.response_mask[1:], dtype=torch.float32), i)
+                       for i, (s, a) in enumerate(zip(sequences, [1.0, -1.0, 1.0, -1.0]))]
+        optimizer = policy.make_optimizer(model, cfg.lr)  # grpo_update computes pi_old first (not single-pass)
+        out[num_mini_batches, ppo_epochs] = policy.grpo_update(cfg, model, optimizer, policy.make_scheduler(optimizer, cfg),
+                                                               batch, experiences, 4, torch.device("cpu"))
+    results.put(out)
 
 
-@pytest.mark.parametrize("num_mini_batches, ppo_epochs", [(2, 1), (1, 2)])
-def test_the_clip_acts_with_mini_batches_or_epochs(tiny_model, num_mini_batches, ppo_epochs):
+def test_the_clip_acts_with_mini_batches_or_epochs(tiny_model):
     """With one optimizer step per rollout batch the ratio is 1 and the clip never acts; with two
     mini-batches (or two epochs) the later step sees a moved policy and clips some of its tokens.
     This is what --num-mini-batches and --ppo-epochs are kept for (PPO-style sample reuse)."""
-    out = in_fresh_process(_clip_check, str(tiny_model), num_mini_batches, ppo_epochs)
-    print(f"mini-batches {num_mini_batches}, epochs {ppo_epochs}:", {k: out[k] for k in ("clip_frac", "ratio_mean")})
-    assert out["ratio_mean"] != 1.0 and out["clip_frac"] > 0
+    settings = [(1, 1), (2, 1), (1, 2)]  # (mini-batches, epochs)
+    out = in_fresh_process(_clip_check, str(tiny_model), settings)
+    for (num_mini_batches, ppo_epochs), stats in out.items():
+        print(f"mini-batches {num_mini_batches}, epochs {ppo_epochs}:", {k: stats[k] for k in ("clip_frac", "ratio_mean")})
+    assert out[1, 1]["ratio_mean"] == pytest.approx(1.0, abs=1e-6) and out[1, 1]["clip_frac"] == 0
+    for reused in settings[1:]:
+        assert out[reused]["ratio_mean"] != 1.0 and out[reused]["clip_frac"] > 0, reused

@@ -1,9 +1,9 @@
 """serve.py: one real vLLM server on loopback, serving a base model and its adapters by name.
 
 The base is the tests' warm start (a short SFT of the tiny model). The adapter root holds two
-hand-made adapters `a` and `b` on it, one made for another base (the untrained tiny model), and a
-short GRPO run in `run1/` whose export `run1/adapters/step_2` must replay, over HTTP, the eval
-the trainer logged for it.
+hand-made adapters `a` and `b` on it, one made for another base (the untrained tiny model), and
+the tests' short GRPO run in `run1/`, whose export `run1/adapters/step_4` must replay, over HTTP,
+the eval the trainer logged for it.
 """
 
 import json
@@ -26,16 +26,12 @@ import rollout
 import serve
 from tiny_model import random_lora
 
+
 ROOT = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
 API_KEY = "test-key"
 START_TIMEOUT_S = 300
 REQUEST_TIMEOUT_S = 120
-# The trainer's flags for a two-step run that exports an adapter and evaluates it.
-# the recipe otherwise, without its warm-up (2 steps) and its sampled evaluation, at T 1
-TRAIN_ARGS = ["--steps", "2", "--group-size", "4", "--eval-mazes", "8", "--eval-interval", "2",
-              "--export-interval", "2", "--warmup-steps", "0", "--sampled-eval-samples", "0", "--temperature", "1",
-              "--progress", "false"]
 EVAL = dict(difficulty="small", n=8, max_turns=15, max_new_tokens=8)
 
 
@@ -68,6 +64,14 @@ class Client:
         return self.request("/v1/chat/completions", {"model": model, "messages": messages,
                                                      "temperature": 0.0, "max_tokens": max_tokens}, key)
 
+    def reply_logprobs(self, model: str, messages: list, max_tokens: int = 8) -> tuple[str, list[float]]:
+        """The greedy reply and the log-probability of each of its tokens."""
+        status, body = self.request("/v1/chat/completions", {"model": model, "messages": messages, "temperature": 0.0,
+                                                             "max_tokens": max_tokens, "logprobs": True})
+        assert status == 200, f"{model}: {status} {body}"
+        choice = body["choices"][0]
+        return choice["message"]["content"], [t["logprob"] for t in choice["logprobs"]["content"]]
+
     def reply(self, model: str, messages: list, max_tokens: int = 16) -> str:
         status, body = self.chat(model, messages, max_tokens)
         assert status == 200, f"{model}: {status} {body}"
@@ -94,27 +98,11 @@ def offline_adapter(adapter_root: Path, name: str):
 # ----------------------------------------------------------------------------- fixtures
 
 @pytest.fixture(scope="module")
-def training(tmp_path_factory, warm_start):
-    """The short training run, started first and in the background (it is the slowest part):
-    it writes into <adapter root>/run1 while the adapters are made and the server starts."""
+def adapter_root(warm_start, tiny_model, tmp_path_factory) -> Path:
+    """<root>/{a, b, other_base, broken} plus two links: `inside` -> a, and `escape` -> an adapter
+    outside the root. `broken`'s adapter_config.json is cut short. (`run1/` comes later:
+    trained_run.)"""
     root = tmp_path_factory.mktemp("adapters")
-    log_path = tmp_path_factory.mktemp("trainer") / "train.log"
-    with open(log_path, "w") as log:
-        process = subprocess.Popen([PYTHON, "train.py", "--model", str(warm_start), *TRAIN_ARGS,
-                                    "--out-dir", str(root / "run1")], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        yield root, process, log_path
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
-
-
-@pytest.fixture(scope="module")
-def adapter_root(training, warm_start, tiny_model, tmp_path_factory) -> Path:
-    """<root>/{a, b, other_base, broken, run1/...} plus two links: `inside` -> a, and `escape` ->
-    an adapter outside the root. `broken`'s adapter_config.json is cut short."""
-    root = training[0]
     outside = tmp_path_factory.mktemp("outside")
     random_lora(warm_start, root / "a", seed=1)
     random_lora(warm_start, root / "b", seed=2)
@@ -128,12 +116,14 @@ def adapter_root(training, warm_start, tiny_model, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def trained_run(training) -> Path:
-    """<root>/run1 once the trainer is done: adapters/step_2 and its eval/step_2.json."""
-    root, process, log_path = training
-    process.wait(timeout=600)
-    assert process.returncode == 0, log_path.read_text()[-5000:]
-    return root / "run1"
+def trained_run(adapter_root, short_run) -> Path:
+    """<root>/run1: the tests' short GRPO run (conftest.SHORT_RUN), its step-4 export and the
+    evaluations it logged, copied under the adapter root while the server runs (it loads an
+    adapter when a request names it)."""
+    run = adapter_root / "run1"
+    shutil.copytree(short_run / "adapters" / "step_4", run / "adapters" / "step_4")
+    shutil.copytree(short_run / "eval", run / "eval")
+    return run
 
 
 @pytest.fixture(scope="module")
@@ -195,14 +185,15 @@ def test_base_and_adapter_answer_a_chat_with_an_image(server, base):
 def test_trainer_export_replays_the_trainer_eval(server, base, trained_run):
     from safetensors.torch import load_file
 
-    lora = load_file(str(trained_run / "adapters" / "step_2" / "adapter_model.safetensors"))
+    lora = load_file(str(trained_run / "adapters" / "step_4" / "adapter_model.safetensors"))
     assert any(v.abs().max() > 0 for k, v in lora.items() if "lora_B" in k)  # a real update (PEFT starts B at 0)
-    logged = json.loads((trained_run / "eval" / "step_2.json").read_text())
-    # the trained adapter plays otherwise than the base (step 0: LoRA B is 0), so serving the base
-    # by mistake could not replay it
-    base_play = json.loads((trained_run / "eval" / "step_0.json").read_text())
-    assert [row["replies"] for row in logged["mazes"]] != [row["replies"] for row in base_play["mazes"]]
-    model = f"{base}:run1/adapters/step_2"
+    logged = json.loads((trained_run / "eval" / "step_4.json").read_text())
+    model = f"{base}:run1/adapters/step_4"
+    # the server plays the trained adapter, not the base: the same greedy replies may come out of
+    # both (a few updates need not change an argmax), but not the same log-probs of them
+    for messages in first_turns(2):
+        ours, theirs = (server.reply_logprobs(m, messages) for m in (model, base))
+        assert ours[0] != theirs[0] or abs(sum(ours[1]) - sum(theirs[1])) > 1e-4, "the adapter served as the base"
     result = serve.evaluate(server.url, model, **EVAL, api_key=API_KEY, progress=False)
     assert (result["solved"], result["total"]) == (logged["solved"], logged["total"])
     for ours, theirs in zip(result["mazes"], logged["mazes"]):  # every maze, every turn
@@ -222,7 +213,7 @@ def test_eval_over_http_matches_the_in_process_eval(server, base, adapter_root, 
         max_turns=15, progress=False)
     served = serve.evaluate(server.url, f"{base}:a", **EVAL, api_key=API_KEY, progress=False)
     assert [row["replies"] for row in served["mazes"]] == [e.replies for e in offline]
-    base_rows = json.loads((trained_run / "eval" / "step_2.json").read_text())["mazes"]
+    base_rows = json.loads((trained_run / "eval" / "step_4.json").read_text())["mazes"]
     assert [row["replies"] for row in served["mazes"]] != [row["replies"] for row in base_rows]
 
 

@@ -1,9 +1,11 @@
 """The trainer end to end, from a warm start that solves some mazes, so every run really updates
-the policy: it learns, resumes exactly after a kill, and runs on two processes."""
+the policy: it learns, resumes exactly after a kill, and skips a damaged checkpoint. (Two ranks:
+test_launch.py's two-node run.)"""
 
 import json
 import multiprocessing
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -17,6 +19,7 @@ from safetensors.torch import load_file
 import env
 import policy
 import train
+from conftest import SHORT_RUN
 
 ROOT = Path(__file__).resolve().parent.parent
 # 7x7 mazes at the full 15 turns (the shortest solution needs 9): the warm start solves some
@@ -52,21 +55,19 @@ def lora_b_norm(adapter_file: Path) -> float:
 # ----------------------------------------------------------------------------- resume
 
 @pytest.mark.slow
-def test_resume_is_exact_with_real_updates(tmp_path, warm_start):
-    """4 steps straight == a run SIGKILLed after its step-2 checkpoint and restarted: the same
-    LoRA weights, Adam moments, LR schedule, step count and maze stream, and the same metrics.
-    The straight run also shows what every run writes, and that its updates are real."""
-    # LoRA dropout: the update draws from torch's global generator, so the resumed run matches
-    # only if the checkpoint's RNG state is restored, and restored after vLLM's engine start
-    # (which re-seeds it). Nothing else in a step draws from it (checkpoint.rng_states).
-    common = ["--steps", "4", "--ckpt-interval", "2", "--eval-interval", "2", "--export-interval", "4",
-              "--lora-dropout", "0.1"]
-    straight, split = tmp_path / "straight", tmp_path / "split"
-    run_train(straight, warm_start, *common)
-
+def test_resume_is_exact_with_real_updates(tmp_path, short_run, warm_start):
+    """The short run's 4 steps straight == the same run SIGKILLed after its step-2 checkpoint and
+    restarted: the same LoRA weights, Adam moments, LR schedule, step count and maze stream, and
+    the same metrics, branch rollouts included. The straight run also shows what every run
+    writes, and that its updates are real."""
+    # LoRA dropout (SHORT_RUN): the update draws from torch's global generator, so the resumed run
+    # matches only if the checkpoint's RNG state is restored, and restored after vLLM's engine
+    # start (which re-seeds it). Nothing else in a step draws from it (checkpoint.rng_states).
+    straight, split = short_run, tmp_path / "split"
+    cmd = [sys.executable, "train.py", "--model", str(warm_start), "--out-dir", str(split), *SHORT_RUN]
     # the split run: killed once its step-2 checkpoint is published (step 3 is then under way)
-    proc = subprocess.Popen(train_cmd(split, warm_start, *common), cwd=ROOT, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
     deadline = time.time() + 600
     while not ((split / "checkpoints" / "latest").exists()
                and (split / "checkpoints" / "latest").read_text() == "step_2"):
@@ -74,19 +75,22 @@ def test_resume_is_exact_with_real_updates(tmp_path, warm_start):
         time.sleep(0.05)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    log = run_train(split, warm_start, *common)
+    resumed = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-5000:]
+    log = resumed.stdout + resumed.stderr
     assert "resumed from" in log and "at step 2" in log
 
     a, b = read_metrics(straight), read_metrics(split)
     assert [m["step"] for m in a] == [m["step"] for m in b] == [1, 2, 3, 4]
     # real updates: groups with reward spread, non-zero advantages, the LoRA moved (the engine
-    # sampling from exactly the trainer's policy is test_two_processes's: dropout blurs it here)
+    # sampling from exactly the trainer's policy is test_launch.py's two-node test's: dropout blurs it here)
     assert any(m["zero_variance_group_frac"] < 1 for m in a) and any(m["grad_norm"] > 0 for m in a)
     final = straight / "checkpoints" / "step_4"
     assert lora_b_norm(final / "adapter_model.safetensors") > 1e-3  # PEFT starts B at exactly 0
     for x, y in zip(a, b):
         assert x["maze_seeds"] == y["maze_seeds"] and x["stream_position"] == y["stream_position"]
-        for key in ("reward_mean", "generated_tokens", "episode_turns", "grad_norm", "lr", "pg_loss"):
+        for key in ("reward_mean", "generated_tokens", "episode_turns", "grad_norm", "lr", "pg_loss",
+                    "branch_points", "branch_targets", "branch_generated_tokens"):
             assert x[key] == pytest.approx(y[key], rel=1e-5, abs=1e-7), (x["step"], key)
     # the checkpoints: LoRA, Adam moments, schedule and stream. Not bitwise: the killed run's
     # engine restarts with an empty prefix cache, so its KV entries (and so the logprobs vLLM
@@ -124,24 +128,26 @@ def test_resume_is_exact_with_real_updates(tmp_path, warm_start):
 
 
 @pytest.mark.slow
-def test_a_damaged_checkpoint_and_changed_settings_on_resume(tmp_path, warm_start):
+def test_a_damaged_checkpoint_and_changed_settings_on_resume(tmp_path, short_run, warm_start):
     """The newest checkpoint damaged after it was written: the restart says so in one line and
     resumes from the one before. A restart with another learning rate is refused, unless asked."""
     out = tmp_path / "run"
-    run_train(out, warm_start, "--steps", "2", "--ckpt-interval", "1", "--eval-interval", "100")
-    state = out / "checkpoints" / "step_2" / "trainer_state.pt"
+    shutil.copytree(short_run, out, symlinks=True)  # checkpoints at steps 2 and 4
+    state = out / "checkpoints" / "step_4" / "trainer_state.pt"
     state.write_bytes(state.read_bytes()[:1000])  # truncated by a bad copy or a failing disk
-    proc = subprocess.run(train_cmd(out, warm_start, "--steps", "3", "--lr", "5e-4"), cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
+    cmd = [sys.executable, "train.py", "--model", str(warm_start), "--out-dir", str(out), *SHORT_RUN, "--lr", "5e-4"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
-    assert f"checkpoint {out}/checkpoints/step_2 skipped: trainer_state.pt has 1000 bytes" in proc.stdout + proc.stderr
-    assert "step_1 was written with other settings (lr: 0.001 -> 0.0005)" in proc.stderr
-    log = run_train(out, warm_start, "--steps", "3", "--lr", "5e-4", "--resume-allow-changes", "true",
-                    "--eval-interval", "100")
-    assert f"resumed from {out}/checkpoints/step_1 at step 1" in log
+    assert f"checkpoint {out}/checkpoints/step_4 skipped: trainer_state.pt has 1000 bytes" in proc.stdout + proc.stderr
+    assert "step_2 was written with other settings (lr: 0.001 -> 0.0005)" in proc.stderr
+    proc = subprocess.run(cmd + ["--resume-allow-changes", "true"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    log = proc.stdout + proc.stderr
+    assert f"resumed from {out}/checkpoints/step_2 at step 2" in log
     assert "resuming with changed settings: lr: 0.001 -> 0.0005" in log
     metrics = read_metrics(out)
-    assert [m["step"] for m in metrics] == [1, 2, 3]  # step 2 redone, one line each
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4]  # steps 3 and 4 redone, one line each
     assert metrics[-1]["lr"] == pytest.approx(5e-4)  # the new rate took effect
 
 
@@ -210,32 +216,6 @@ def test_grpo_learns_a_small_pool(tmp_path, warm_start):
     se = ((last * (1 - last) + last_f * (1 - last_f)) / n) ** 0.5
     print(f"steps {LEARN_STEPS - LEARN_WINDOW + 1}-{LEARN_STEPS}: GRPO {last:.3f}, flipped {last_f:.3f}: {(last - last_f) / max(se, 1 / n):.1f} SE")
     assert last - last_f > LEARN_BAR_SE * max(se, 1 / n), (last, last_f, se)
-
-
-# ----------------------------------------------------------------------------- two processes
-
-@pytest.mark.slow
-def test_two_processes(tmp_path, warm_start):
-    """torchrun with 2 ranks at the main job's temperature (0.5: the engines report the tempered
-    log-probs, logprobs_mode="processed_logprobs"): both ranks' groups in the statistics, a real
-    update, and after it and the sync the engines of both ranks sample from exactly the trainer's
-    updated policy (the mismatch stays at fp32 rounding)."""
-    out = tmp_path / "run"
-    # (--train-pool 4 --group-size 8: step 2 plays step 1's mazes again, 8 times each, so the
-    # maze whose group had reward spread at step 1 has it again under the updated policy)
-    run_train(out, warm_start, "--steps", "2", "--eval-interval", "2", "--ckpt-interval", "2", "--temperature", "0.5",
-              "--train-pool", "4", "--group-size", "8", "--eval-mazes", "2", nproc=2)
-    metrics = read_metrics(out)
-    assert [m["step"] for m in metrics] == [1, 2]
-    assert metrics[-1]["num_groups"] == 4  # every group of the step, from both ranks
-    print("per step (mismatch, trained fraction, grad norm):",
-          [(m["mismatch_abs_mean"], m["trained_sequence_frac"], m["grad_norm"]) for m in metrics])
-    # step 2 samples from a policy that step 1 really changed, and trains on some of it (the
-    # mismatch is measured on the sequences trained)
-    assert metrics[0]["grad_norm"] > 0 and metrics[1]["trained_sequence_frac"] > 0
-    assert all(m["mismatch_abs_mean"] < 1e-5 and abs(m["tis_weight_mean"] - 1) < 1e-4 for m in metrics)
-    assert lora_b_norm(out / "checkpoints" / "step_2" / "adapter_model.safetensors") > 1e-3
-    assert json.loads((out / "eval" / "step_2.json").read_text())["total"] == 2
 
 
 # ----------------------------------------------------------------------------- evaluation
