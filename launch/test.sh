@@ -21,7 +21,7 @@ set +e
 workers="${TEST_WORKERS:-2}"
 xdist=()
 if [ "$workers" -gt 1 ]; then
-  xdist=(-n "$workers" --dist loadfile)
+  xdist=(-n "$workers" --dist loadfile --no-loadscope-reorder)  # files in tests/conftest.py's order
   export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 fi
 .venv/bin/python -m pytest "${xdist[@]}" "${args[@]:--q}" tests

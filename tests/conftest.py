@@ -18,10 +18,12 @@ sys.path.insert(0, str(ROOT))
 import rollout  # noqa: E402  (sets the vLLM environment before vllm is imported anywhere)
 
 
-# The slowest files first: pytest-xdist (launch/test.sh) hands whole files to its workers in
-# this order, so none of the long ones is left to start when the other worker is nearly done.
-SLOW_FILES_FIRST = ("test_train.py", "test_launch.py", "test_serve.py", "test_bad_input.py", "test_experiments.py",
-                    "test_sft.py", "test_branch.py", "test_policy.py")
+# The slowest files first: pytest-xdist (launch/test.sh, --no-loadscope-reorder) gives each of
+# its two workers two files to start with, in this order, then the next file to whichever is
+# free: the learning test and the trainer's runs on one, the launchers and the server on the
+# other, and no long file left to start when the other worker is nearly done.
+SLOW_FILES_FIRST = ("test_learning.py", "test_launch.py", "test_train.py", "test_serve.py", "test_bad_input.py",
+                    "test_experiments.py", "test_sft.py", "test_policy.py", "test_branch.py")
 
 
 def pytest_collection_modifyitems(items):

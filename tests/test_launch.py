@@ -134,44 +134,6 @@ def assert_one_line_per_step_and_the_uninterrupted_maze_stream(out: Path, steps:
 
 # ----------------------------------------------------------------------------- torchrun
 
-@pytest.mark.slow
-def test_two_nodes_on_one_machine(tmp_path, launch, warm_start):
-    """Two "nodes" (one process each) meet at a c10d rendezvous and train one run into one run
-    dir, at the main job's temperature (0.5: the engines report the tempered log-probs,
-    logprobs_mode="processed_logprobs"): both nodes' groups in the statistics, a real update, and
-    after it and the sync the engines of both ranks sample from exactly the trainer's updated
-    policy (the mismatch stays at fp32 rounding)."""
-    out, shared, port = tmp_path / "run", tmp_path / "shared", free_port()
-    # the warm start at 15 turns, so groups have reward spread; --train-pool 4 --group-size 8:
-    # step 2 plays step 1's mazes again, 8 times each, so the maze whose group had spread at
-    # step 1 has it again under the updated policy
-    real = ["--model", str(warm_start), "--max-turns", "15", "--temperature", "0.5", "--prompts-per-step", "4",
-            "--train-pool", "4", "--group-size", "8", "--eval-interval", "2", "--ckpt-interval", "2"]
-    nodes = [launch(out, "--steps", "2", "--shared-dir", str(shared), *real, log=f"node{rank}.txt",
-                    NNODES="2", NPROC_PER_NODE="1", NODE_RANK=str(rank), RDZV_ENDPOINT=f"127.0.0.1:{port}",
-                    RDZV_ID="two-nodes", OMP_NUM_THREADS="1")  # two "nodes" share two cores
-             for rank in (0, 1)]
-    logs = [finish(node) for node in nodes]
-    assert "is not shared" not in "".join(logs)
-    assert (shared / "shared_dir_check.txt").exists()
-    lines = metrics(out)
-    assert [m["step"] for m in lines] == [1, 2]
-    assert all(m["num_groups"] == 4 for m in lines)  # every group of the step, from both nodes
-    print("per step (mismatch, trained fraction, grad norm):",
-          [(m["mismatch_abs_mean"], m["trained_sequence_frac"], m["grad_norm"]) for m in lines])
-    # step 2 samples from a policy that step 1 really changed, and trains on some of it (the
-    # mismatch is measured on the sequences trained)
-    assert lines[0]["grad_norm"] > 0 and lines[1]["trained_sequence_frac"] > 0
-    assert all(m["mismatch_abs_mean"] < 1e-5 and abs(m["tis_weight_mean"] - 1) < 1e-4 for m in lines)
-    assert (out / "checkpoints" / "latest").read_text() == "step_2"
-    from test_train import lora_b_norm
-
-    assert lora_b_norm(out / "checkpoints" / "step_2" / "adapter_model.safetensors") > 1e-3
-    assert json.loads((out / "eval" / "step_2.json").read_text())["total"] == 2
-    summary = json.loads((out / "summary.json").read_text())
-    assert summary["steps"] == 2 and abs(summary["steps_s"] - sum(m["step_s"] for m in lines)) < 0.1
-
-
 KILLED_IN_CHECKPOINT = '''"""train.py, SIGKILLed while it writes step {step}'s checkpoint (its files written,
 meta.json not yet), on torchrun's first attempt only (tests/test_launch.py)."""
 import os, runpy, sys
@@ -251,6 +213,44 @@ def test_a_worker_killed_in_a_checkpoint_write_and_then_mid_step_resumes_each_ti
           f"resumed from step_3: {done_before - 3} finished steps redone, "
           f"{killed_at - last_done_at:.1f}s of the interrupted step lost (a step takes ~{step_s:.1f}s here); "
           f"kill -> restarted {restarted_at - killed_at:.1f}s, kill -> last step done {last_step_at - killed_at:.1f}s")
+
+
+@pytest.mark.slow
+def test_two_nodes_on_one_machine(tmp_path, launch, warm_start):
+    """Two "nodes" (one process each) meet at a c10d rendezvous and train one run into one run
+    dir, at the main job's temperature (0.5: the engines report the tempered log-probs,
+    logprobs_mode="processed_logprobs"): both nodes' groups in the statistics, a real update, and
+    after it and the sync the engines of both ranks sample from exactly the trainer's updated
+    policy (the mismatch stays at fp32 rounding)."""
+    out, shared, port = tmp_path / "run", tmp_path / "shared", free_port()
+    # the warm start at 15 turns, so groups have reward spread; --train-pool 4 --group-size 8:
+    # step 2 plays step 1's mazes again, 8 times each, so the maze whose group had spread at
+    # step 1 has it again under the updated policy
+    real = ["--model", str(warm_start), "--max-turns", "15", "--temperature", "0.5", "--prompts-per-step", "4",
+            "--train-pool", "4", "--group-size", "8", "--eval-interval", "2", "--ckpt-interval", "2"]
+    nodes = [launch(out, "--steps", "2", "--shared-dir", str(shared), *real, log=f"node{rank}.txt",
+                    NNODES="2", NPROC_PER_NODE="1", NODE_RANK=str(rank), RDZV_ENDPOINT=f"127.0.0.1:{port}",
+                    RDZV_ID="two-nodes", OMP_NUM_THREADS="1")  # two "nodes" share two cores
+             for rank in (0, 1)]
+    logs = [finish(node) for node in nodes]
+    assert "is not shared" not in "".join(logs)
+    assert (shared / "shared_dir_check.txt").exists()
+    lines = metrics(out)
+    assert [m["step"] for m in lines] == [1, 2]
+    assert all(m["num_groups"] == 4 for m in lines)  # every group of the step, from both nodes
+    print("per step (mismatch, trained fraction, grad norm):",
+          [(m["mismatch_abs_mean"], m["trained_sequence_frac"], m["grad_norm"]) for m in lines])
+    # step 2 samples from a policy that step 1 really changed, and trains on some of it (the
+    # mismatch is measured on the sequences trained)
+    assert lines[0]["grad_norm"] > 0 and lines[1]["trained_sequence_frac"] > 0
+    assert all(m["mismatch_abs_mean"] < 1e-5 and abs(m["tis_weight_mean"] - 1) < 1e-4 for m in lines)
+    assert (out / "checkpoints" / "latest").read_text() == "step_2"
+    from test_train import lora_b_norm
+
+    assert lora_b_norm(out / "checkpoints" / "step_2" / "adapter_model.safetensors") > 1e-3
+    assert json.loads((out / "eval" / "step_2.json").read_text())["total"] == 2
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 2 and abs(summary["steps_s"] - sum(m["step_s"] for m in lines)) < 0.1
 
 
 def test_torchrun_sh_command_lines():
