@@ -19,9 +19,9 @@ ALLOWED = {
     "rundir": {"checkpoint", "distributed"},
     "policy": {"checkpoint", "distributed", "grpo", "rollout", "tiny_model"},
     "branch": {"env", "grpo", "rollout", "sft", "visgym"},
-    "train": {"branch", "checkpoint", "config", "distributed", "env", "grpo", "policy", "rollout", "rundir"},
+    "train": {"branch", "checkpoint", "config", "distributed", "env", "grpo", "policy", "rollout", "rundir", "visgym"},
     "sft": {"env", "grpo", "policy", "rollout", "rundir", "visgym"},
-    "serve": {"checkpoint", "config", "env", "policy", "rollout"},
+    "serve": {"checkpoint", "config", "env", "policy", "rollout", "visgym"},
 }
 
 
