@@ -33,19 +33,21 @@ import os
 from dataclasses import dataclass, field, replace
 
 import torch
+from tqdm import tqdm
 
-# vLLM reads these at import time. An in-process engine (no engine-core subprocess) is what lets
-# each torchrun rank own an engine beside its FSDP shard; on CPU the KV cache size is given in GiB.
+import env
+import visgym
+
+# vLLM reads these when it is imported. An in-process engine (no engine-core subprocess) is what
+# lets each torchrun rank own an engine beside its FSDP shard; on CPU the KV cache size is given in
+# GiB. Where this module is imported does not matter: vllm is imported only inside functions (here
+# and in serve.py, which imports this module), so always after these lines have run
+# (tests/test_imports.py checks that no module imports vllm at its top).
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 if not torch.cuda.is_available():
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # torchrun ranks share the cores
-
-from tqdm import tqdm  # noqa: E402
-
-import env  # noqa: E402
-import visgym  # noqa: E402
 
 # The ranks vLLM's engine takes for max_lora_rank (vllm/config/lora.py: MaxLoRARanks).
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)

@@ -33,16 +33,15 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import rollout  # first: sets vLLM's environment for this machine before vllm is imported
+import torch
+from transformers.hf_argparser import string_to_bool  # what train.py's flags take too
 
-import torch  # noqa: E402
-from transformers.hf_argparser import string_to_bool  # noqa: E402  (what train.py's flags take too)
-
-import checkpoint  # noqa: E402
-import config  # noqa: E402
-import env  # noqa: E402
-import policy  # noqa: E402
-import visgym  # noqa: E402
+import checkpoint
+import config
+import env
+import policy
+import rollout
+import visgym
 
 ROOT = Path(__file__).resolve().parent
 

@@ -37,16 +37,15 @@ import tempfile
 import time
 from pathlib import Path
 
-import rollout  # sets vLLM-related environment before anything imports it (harmless here)
+import torch
+from tqdm import tqdm
 
-import torch  # noqa: E402
-from tqdm import tqdm  # noqa: E402
-
-import env  # noqa: E402
-import visgym  # noqa: E402
-import grpo  # noqa: E402
-import policy  # noqa: E402
-import rundir  # noqa: E402
+import env
+import grpo
+import policy
+import rollout
+import rundir
+import visgym
 
 ROOT = Path(__file__).resolve().parent
 

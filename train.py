@@ -38,22 +38,21 @@ import gc
 import time
 from pathlib import Path
 
-import rollout  # first: sets vLLM's environment before anything imports vllm
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from tqdm import tqdm  # noqa: E402
-
-import branch  # noqa: E402
-import checkpoint  # noqa: E402
-from config import Config, parse_config  # noqa: E402
-import distributed  # noqa: E402
-import env  # noqa: E402
-import grpo  # noqa: E402
-import policy  # noqa: E402
-import rundir  # noqa: E402
-import visgym  # noqa: E402
-from distributed import log0  # noqa: E402
+import branch
+import checkpoint
+import distributed
+import env
+import grpo
+import policy
+import rollout
+import rundir
+import visgym
+from config import Config, parse_config
+from distributed import log0
 
 
 # ----------------------------------------------------------------------------- evaluation

@@ -51,7 +51,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
-import rollout  # noqa: E402  (first: it sets vLLM's environment before anything imports vllm)
+import rollout  # noqa: E402
 
 import torch  # noqa: E402
 
