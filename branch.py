@@ -87,12 +87,12 @@ def choose_points(episodes: list, per_group: int) -> list[tuple[int, int]]:
         for i in members:
             e = episodes[i]
             stopped_off_goal = e.end_reason == "stop" and not e.solved
-            for t, cell in enumerate(e.states):
-                if not (is_fork(e.maze, cell) or (stopped_off_goal and t == e.num_turns - 1)):
+            for t, turn in enumerate(e.played):
+                if not (is_fork(e.maze, turn.state) or (stopped_off_goal and t == e.num_turns - 1)):
                     continue
-                seen = cells.setdefault(cell, [(t, i), set(), False])
+                seen = cells.setdefault(turn.state, [(t, i), set(), False])
                 seen[0] = min(seen[0], (t, i))
-                seen[1].add(e.replies[t])
+                seen[1].add(turn.reply)
                 seen[2] |= not e.solved
         ranked = sorted(cells.values(), key=lambda c: (not (len(c[1]) > 1 or c[2]), c[0]))
         points += [(i, t) for (t, i), _, _ in ranked[:per_group]]
@@ -108,11 +108,12 @@ def play_branches(cfg, engine, chat: rollout.ChatFormat, episodes: list, points:
     found, branches, games, forced = [], [], [], []
     for i, t in points:
         parent = episodes[i]
-        moves = branch_moves(parent.maze, parent.states[t])
+        fork = parent.turns[t].state
+        moves = branch_moves(parent.maze, fork)
         for m, move in enumerate(moves):
             branch = parent.prefix(t, (parent.sample_id * max_turns + t) * len(env.ACTION_STRINGS) + m, max_images)
-            game = visgym.make_env(parent.maze, cfg.env_style, max_turns=max_turns, cell_px=cfg.cell_px or None)
-            game.restore(parent.states[t], t, parent.cells_left(t))
+            game = visgym.EnvSettings.of(cfg).make(parent.maze)
+            game.restore(fork, t, parent.cells_left(t))
             branches.append(branch)
             games.append(game)
             forced.append([reply_ids[move]])
@@ -138,7 +139,8 @@ def target_sequence(branch: rollout.Episode, turn: int, max_images: int | None) 
     seq = branch.sequences[0]
     start, end = rollout.reply_spans(seq.response_mask)[turn]
     mask = [0] * start + [1] * (end - start)
-    return rollout.Sequence(seq.token_ids[:end], mask, seq.rollout_logprobs[:end], branch.images[:turn + 1])
+    return rollout.Sequence(seq.token_ids[:end], mask, seq.rollout_logprobs[:end],
+                            [t.image for t in branch.turns[:turn + 1]])
 
 
 def branch_step(cfg, engine, chat: rollout.ChatFormat, episodes: list, lora_request=None,
@@ -167,8 +169,8 @@ def branch_step(cfg, engine, chat: rollout.ChatFormat, episodes: list, lora_requ
         "branch_episodes": len(played),
         # the forced reply is not an engine turn; every later reply of a branch is
         "branch_engine_turns": sum(b.num_turns - p.turn - 1 for p in points for b in p.branches),
-        "branch_generated_tokens": sum(len(reply) for p in points for b in p.branches
-                                       for reply in b.reply_ids[p.turn + 1:]),
+        "branch_generated_tokens": sum(len(turn.reply_ids) for p in points for b in p.branches
+                                       for turn in b.played[p.turn + 1:]),
         "branch_solve_rate": sum(b.solved for b in played) / max(len(played), 1),
         "branch_s": time.time() - start,
         # how often the winning move is not the one the parent made there: a correction, not a repeat

@@ -30,22 +30,24 @@ import hashlib
 import io
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
+from tqdm import tqdm
 
-# vLLM reads these at import time. An in-process engine (no engine-core subprocess) is what lets
-# each torchrun rank own an engine beside its FSDP shard; on CPU the KV cache size is given in GiB.
+import env
+import visgym
+
+# vLLM reads these when it is imported. An in-process engine (no engine-core subprocess) is what
+# lets each torchrun rank own an engine beside its FSDP shard; on CPU the KV cache size is given in
+# GiB. Where this module is imported does not matter: vllm is imported only inside functions (here
+# and in serve.py, which imports this module), so always after these lines have run
+# (tests/test_imports.py checks that no module imports vllm at its top).
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 if not torch.cuda.is_available():
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # torchrun ranks share the cores
-
-from tqdm import tqdm  # noqa: E402
-
-import env  # noqa: E402
-import visgym  # noqa: E402
 
 # The ranks vLLM's engine takes for max_lora_rank (vllm/config/lora.py: MaxLoRARanks).
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -328,6 +330,18 @@ class ChatFormat:
             self._next_turn[key] = self._ids(after_reply)
         return list(self._next_turn[key])
 
+    def open_turn(self, text: str, image, state, after_reply: list[int] | None = None,
+                  text_only: bool = False) -> "Turn":
+        """The turn that shows `text` and `image` (the agent at `state`): the first one, or the one
+        after the reply `after_reply`. With `text_only` it is also rendered without its image (what
+        is sent once the turn is older than max_images)."""
+        if after_reply is None:
+            ids, text_ids = self.first_turn(text), self.first_turn(text, with_image=False) if text_only else []
+        else:
+            ids = self.next_turn(text, after_reply)
+            text_ids = self.next_turn(text, after_reply, with_image=False) if text_only else []
+        return Turn(text=text, image=image, state=state, prompt_ids=ids, prompt_ids_text_only=text_ids)
+
     def expand(self, ids: list[int], images: list) -> list[int]:
         """What vLLM and the HF processor do to a prompt: one <|image_pad|> -> one per patch."""
         out, images = [], iter(images)
@@ -359,18 +373,34 @@ class Sequence:
 
 
 @dataclass
+class Turn:
+    """One turn of an episode: what the env showed, what the agent replied.
+
+    Rollouts, chat evaluations and SFT demonstrations all build these the same way (a turn is
+    opened when the env shows a state, and answered when the reply comes); an episode's last turn
+    stays unanswered if the episode ended without asking for it (context limit)."""
+    text: str  # what the env said: the first turn's task and view, then its feedback on each move
+    image: object  # the state the agent was shown
+    state: tuple  # the agent's cell then
+    prompt_ids: list = None  # the user turn's token ids, unexpanded (None in chat evaluations: the server tokenises)
+    prompt_ids_text_only: list = None  # the same turn without its image (rendered only when max_images is set)
+    reply_ids: list = None  # the reply's token ids, exactly as generated or forced; None until answered
+    reply_logprobs: list = None  # the engine's sampling log-prob of each reply token (NaN: forced, 0: greedy)
+    reply: str = None  # the reply decoded
+
+    @property
+    def answered(self) -> bool:
+        return self.reply is not None
+
+
+@dataclass
 class Episode:
     maze: env.Maze
     group_id: int  # members of a GRPO group play the same maze and share this id
     sample_id: int  # globally unique, seeds this episode's sampling
-    user_turns: list = field(default_factory=list)  # unexpanded ids of each user turn, with its image
-    user_turns_text_only: list = field(default_factory=list)  # the same turns without the image
-    reply_ids: list = field(default_factory=list)  # generated ids of each reply, exactly
-    images: list = field(default_factory=list)  # the state image of each user turn
-    states: list = field(default_factory=list)  # the agent's cell when each reply was made
+    turns: list = field(default_factory=list)  # Turn records, in order
     end_cell: tuple = None  # the agent's cell after the last reply
     sequences: list = field(default_factory=list)  # what the trainer trains on
-    replies: list = field(default_factory=list)  # decoded text of each reply, for logs and eval
     reward: float = 0.0
     solved: bool = False
     invalid_actions: int = 0
@@ -380,19 +410,30 @@ class Episode:
     done: bool = False
 
     @property
+    def played(self) -> list:
+        """The answered turns (all but an unanswered last one)."""
+        return [t for t in self.turns if t.answered]
+
+    @property
     def num_turns(self) -> int:
-        return len(self.replies)
+        return len(self.played)
+
+    @property
+    def replies(self) -> list:
+        """The decoded replies, one per turn played: what logs and evaluations record."""
+        return [t.reply for t in self.played]
 
     @property
     def num_generated_tokens(self) -> int:
-        return sum(len(r) for r in self.reply_ids)
+        return sum(len(t.reply_ids) for t in self.played)
 
     def prefix(self, turn: int, sample_id: int, max_images: int | None) -> "Episode":
-        """This episode as it stood when its reply `turn` was asked for: the user turns 0..turn,
-        the replies before it, their training tokens (the full-history sequence cut right after
-        reply turn - 1, or the first `turn` per-turn sequences), under a new sample id. The lists
-        are new; the images and token lists in them are shared (nothing changes them). Its
-        counters (invalid actions, bumps, truncations) count only what is played from here on."""
+        """This episode as it stood when its reply `turn` was asked for: turns 0..turn-1 as played,
+        turn `turn` unanswered, their training tokens (the full-history sequence cut right after
+        reply turn - 1, or the first `turn` per-turn sequences), under a new sample id. The played
+        turns are shared with this episode (nothing changes an answered turn); turn `turn` is a
+        new record. Its counters (invalid actions, bumps, truncations) count only what is played
+        from here on."""
         if not 0 <= turn < self.num_turns:
             raise ValueError(f"turn {turn}: the episode played turns 0..{self.num_turns - 1}")
         if max_images is None:
@@ -400,32 +441,32 @@ class Episode:
             if turn:
                 seq, cut = self.sequences[0], reply_spans(self.sequences[0].response_mask)[turn - 1][1]
                 sequences = [Sequence(seq.token_ids[:cut], seq.response_mask[:cut], seq.rollout_logprobs[:cut],
-                                      self.images[:turn])]
+                                      [t.image for t in self.turns[:turn]])]
         else:
             sequences = list(self.sequences[:turn])
+        asked = replace(self.turns[turn], reply_ids=None, reply_logprobs=None, reply=None)
         return Episode(maze=self.maze, group_id=self.group_id, sample_id=sample_id,
-                       user_turns=list(self.user_turns[:turn + 1]),
-                       user_turns_text_only=list(self.user_turns_text_only[:turn + 1]),
-                       reply_ids=list(self.reply_ids[:turn]), images=list(self.images[:turn + 1]),
-                       states=list(self.states[:turn]), sequences=sequences, replies=list(self.replies[:turn]))
+                       turns=[*self.turns[:turn], asked], sequences=sequences)
 
     def cells_left(self, turn: int) -> set:
         """The cells the agent had moved off before reply `turn` (env.MazeEnv.left then)."""
-        cells = self.states[:turn + 1] if turn < len(self.states) else self.states + [self.end_cell]
+        cells = [t.state for t in self.turns[:turn + 1]]
+        if turn >= len(self.turns):
+            cells.append(self.end_cell)
         return {a for a, b in zip(cells, cells[1:]) if a != b}
 
     def next_prompt(self, max_images: int | None) -> tuple[list, list]:
         """The engine input for the next reply: all turns so far, images only for the last k."""
-        first_with_image = len(self.user_turns) - max_images if max_images else 0
+        first_with_image = len(self.turns) - max_images if max_images else 0
         ids, images = [], []
-        for t, (with_image, text_only) in enumerate(zip(self.user_turns, self.user_turns_text_only)):
+        for t, turn in enumerate(self.turns):
             if t >= first_with_image:
-                ids += with_image
-                images.append(self.images[t])
+                ids += turn.prompt_ids
+                images.append(turn.image)
             else:
-                ids += text_only
-            if t < len(self.reply_ids):
-                ids += self.reply_ids[t]
+                ids += turn.prompt_ids_text_only
+            if turn.answered:
+                ids += turn.reply_ids
         return ids, images
 
 
@@ -437,12 +478,12 @@ def request_seed(run_seed: int, sample_id: int, turn: int) -> int:
     return (run_seed * 1_000_003 + sample_id * 1_009 + turn) % (2**31 - 1)
 
 
-def play_episodes(engine, chat: ChatFormat, mazes: list, group_ids: list, *, samples_per_maze: int,
-                  max_turns: int, max_new_tokens: int, max_model_len: int, temperature: float,
-                  seed: int, lora_request=None, cell_px: int | None = None, style: str = "ours",
-                  max_images: int | None = None, min_new_tokens: int = 0, desc: str = "rollout",
-                  progress: bool = True) -> list:
-    """Play every maze `samples_per_maze` times to the end; return the finished episodes.
+def play_episodes(engine, chat: ChatFormat, mazes: list, group_ids: list, env_settings: visgym.EnvSettings, *,
+                  samples_per_maze: int, max_new_tokens: int, max_model_len: int, temperature: float,
+                  seed: int, lora_request=None, max_images: int | None = None, min_new_tokens: int = 0,
+                  desc: str = "rollout", progress: bool = True) -> list:
+    """Play every maze `samples_per_maze` times to the end, in envs made by `env_settings`; return the
+    finished episodes.
 
     `group_ids` must be unique across the whole run (and across ranks): with the member index
     they give each episode the id that seeds its sampling.
@@ -458,15 +499,12 @@ def play_episodes(engine, chat: ChatFormat, mazes: list, group_ids: list, *, sam
     episodes, games = [], []
     for maze, group_id in zip(mazes, group_ids):
         for member in range(samples_per_maze):
-            episode = Episode(maze=maze, group_id=group_id, sample_id=group_id * samples_per_maze + member)
-            game = visgym.make_env(maze, style, max_turns=max_turns, cell_px=cell_px or None)
-            obs = game.reset()
-            episode.user_turns.append(chat.first_turn(game.first_text(obs)))
-            episode.user_turns_text_only.append(chat.first_turn(game.first_text(obs), with_image=False)
-                                                if max_images else [])
-            episode.images.append(obs.image)
-            episodes.append(episode)
-            games.append(game)
+            maze_env = env_settings.make(maze)
+            obs = maze_env.reset()
+            first = chat.open_turn(maze_env.first_text(obs), obs.image, maze_env.agent, text_only=bool(max_images))
+            episodes.append(Episode(maze=maze, group_id=group_id, sample_id=group_id * samples_per_maze + member,
+                                    turns=[first]))
+            games.append(maze_env)
     return play_turns(engine, chat, episodes, games, [[] for _ in episodes], max_new_tokens=max_new_tokens,
                       max_model_len=max_model_len, temperature=temperature, seed=seed, lora_request=lora_request,
                       max_images=max_images, min_new_tokens=min_new_tokens, desc=desc, progress=progress)
@@ -488,12 +526,8 @@ def play_turns(engine, chat: ChatFormat, episodes: list, games: list, forced: li
     from vllm import SamplingParams
 
     # id(image) -> content digest, computed once per image (the episodes keep the images alive)
-    images_by_id = {id(image): image for e in episodes for image in e.images}  # branches share their parent's
+    images_by_id = {id(t.image): t.image for e in episodes for t in e.turns}  # branches share their parent's
     digests = {key: image_digest(image) for key, image in images_by_id.items()}
-
-    def add_image(episode: Episode, image):
-        episode.images.append(image)
-        digests[id(image)] = image_digest(image)
 
     no_vision_tokens = sampling_logit_bias(chat.banned_token_ids)
     forced = [list(replies) for replies in forced]  # consumed below; the caller's lists stay as they are
@@ -550,10 +584,9 @@ def play_turns(engine, chat: ChatFormat, episodes: list, games: list, forced: li
                 episode.sequences.append(Sequence(
                     expanded_prompt + reply_ids, [0] * len(expanded_prompt) + [1] * len(reply_ids),
                     [0.0] * len(expanded_prompt) + reply_logprobs, images))
-            episode.reply_ids.append(reply_ids)
-            episode.replies.append(texts[i])
+            turn = episode.turns[-1]
+            turn.reply_ids, turn.reply_logprobs, turn.reply = reply_ids, reply_logprobs, texts[i]
 
-            episode.states.append(game.agent)
             obs = game.step(texts[i])
             episode.end_cell = game.agent
             episode.invalid_actions += not obs.valid
@@ -563,10 +596,9 @@ def play_turns(engine, chat: ChatFormat, episodes: list, games: list, forced: li
                 episode.end_reason = game.end_reason
                 bar.update(1)
                 continue
-            episode.user_turns.append(chat.next_turn(obs.text, reply_ids))
-            episode.user_turns_text_only.append(chat.next_turn(obs.text, reply_ids, with_image=False)
-                                                if max_images else [])
-            add_image(episode, obs.image)
+            episode.turns.append(chat.open_turn(obs.text, obs.image, game.agent, reply_ids,
+                                                text_only=bool(max_images)))
+            digests[id(obs.image)] = image_digest(obs.image)
             ids, images = episode.next_prompt(max_images)
             if chat.expanded_len(ids, images) + max_new_tokens > max_model_len:
                 episode.done, episode.end_reason = True, "context_limit"
@@ -618,9 +650,10 @@ def image_url(image) -> str:
     return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
 
 
-def chat_user_message(text: str, image) -> dict:
-    return {"role": "user", "content": [{"type": "image_url", "image_url": {"url": image_url(image)}},
-                                        {"type": "text", "text": text}]}
+def chat_user_message(text: str, image=None) -> dict:
+    """A user turn as an OpenAI chat message: its image (if any), then its text."""
+    picture = [{"type": "image_url", "image_url": {"url": image_url(image)}}] if image is not None else []
+    return {"role": "user", "content": [*picture, {"type": "text", "text": text}]}
 
 
 def engine_replies(engine, lora_request, max_new_tokens: int, banned_token_ids=()):
@@ -637,43 +670,44 @@ def engine_replies(engine, lora_request, max_new_tokens: int, banned_token_ids=(
     return reply_fn
 
 
-def drop_old_images(conversation: list, max_images: int | None) -> list:
-    """The conversation with image parts removed from all but the last k user turns."""
-    if not max_images:
-        return conversation
-    user_turns = [i for i, m in enumerate(conversation) if m["role"] == "user"]
-    keep = set(user_turns[-max_images:])
-    return [m if m["role"] != "user" or i in keep else
-            {"role": "user", "content": [p for p in m["content"] if p["type"] != "image_url"]}
-            for i, m in enumerate(conversation)]
+def chat_messages(episode: Episode, max_images: int | None = None) -> list:
+    """The episode's turns as OpenAI chat messages, images only in the last k user turns."""
+    first_with_image = len(episode.turns) - max_images if max_images else 0
+    messages = []
+    for t, turn in enumerate(episode.turns):
+        messages.append(chat_user_message(turn.text, turn.image if t >= first_with_image else None))
+        if turn.answered:
+            messages.append({"role": "assistant", "content": turn.reply})
+    return messages
 
 
-def play_chat_episodes(mazes: list, reply_fn, *, max_turns: int, cell_px: int | None = None, style: str = "ours",
-                       max_images: int | None = None, desc: str = "eval", progress: bool = True) -> list:
-    """Play each maze once, every turn asking `reply_fn` for all active conversations at once."""
-    episodes, games, conversations = [], [], []
+def play_chat_episodes(mazes: list, reply_fn, env_settings: visgym.EnvSettings, *, max_images: int | None = None,
+                       desc: str = "eval", progress: bool = True) -> list:
+    """Play each maze once, every turn asking `reply_fn` for all active conversations at once
+    (the turns are text and images here: whoever answers tokenises them)."""
+    episodes, games = [], []
     for i, maze in enumerate(mazes):
-        game = visgym.make_env(maze, style, max_turns=max_turns, cell_px=cell_px or None)
-        obs = game.reset()
-        episodes.append(Episode(maze=maze, group_id=i, sample_id=i))
-        games.append(game)
-        conversations.append([chat_user_message(game.first_text(obs), obs.image)])
+        maze_env = env_settings.make(maze)
+        obs = maze_env.reset()
+        episodes.append(Episode(maze=maze, group_id=i, sample_id=i,
+                                turns=[Turn(text=maze_env.first_text(obs), image=obs.image, state=maze_env.agent)]))
+        games.append(maze_env)
     bar = tqdm(total=len(mazes), desc=desc, unit="maze", disable=not progress, leave=False)
     while active := [i for i, e in enumerate(episodes) if not e.done]:
-        replies = reply_fn([drop_old_images(conversations[i], max_images) for i in active])
+        replies = reply_fn([chat_messages(episodes[i], max_images) for i in active])
         for i, reply in zip(active, replies):
-            episode, game = episodes[i], games[i]
-            episode.replies.append(reply)
-            obs = game.step(reply)
+            episode, maze_env = episodes[i], games[i]
+            episode.turns[-1].reply = reply
+            obs = maze_env.step(reply)
+            episode.end_cell = maze_env.agent
             episode.invalid_actions += not obs.valid
             episode.wall_bumps += obs.bumped
-            conversations[i].append({"role": "assistant", "content": reply})
-            if game.done:
-                episode.done, episode.reward, episode.solved = True, obs.reward, game.solved
-                episode.end_reason = game.end_reason
+            if maze_env.done:
+                episode.done, episode.reward, episode.solved = True, obs.reward, maze_env.solved
+                episode.end_reason = maze_env.end_reason
                 bar.update(1)
             else:
-                conversations[i].append(chat_user_message(obs.text, obs.image))
+                episode.turns.append(Turn(text=obs.text, image=obs.image, state=maze_env.agent))
     bar.close()
     return episodes
 

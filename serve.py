@@ -33,15 +33,15 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import rollout  # first: sets vLLM's environment for this machine before vllm is imported
+import torch
+from transformers.hf_argparser import string_to_bool  # what train.py's flags take too
 
-import torch  # noqa: E402
-from transformers.hf_argparser import string_to_bool  # noqa: E402  (what train.py's flags take too)
-
-import checkpoint  # noqa: E402
-import config  # noqa: E402
-import env  # noqa: E402
-import policy  # noqa: E402
+import checkpoint
+import config
+import env
+import policy
+import rollout
+import visgym
 
 ROOT = Path(__file__).resolve().parent
 
@@ -509,8 +509,9 @@ def evaluate(url: str, model: str, *, difficulty: str = "small", n: int = 64, ma
     mazes = env.eval_mazes(difficulty, n, style)
     banned = vision_token_ids(url, api_key, processor)
     episodes = rollout.play_chat_episodes(
-        mazes, http_replies(url, model, max_new_tokens, api_key, banned, concurrency), max_turns=max_turns,
-        cell_px=cell_px, style=style, max_images=max_images, desc=f"eval {model}", progress=progress)
+        mazes, http_replies(url, model, max_new_tokens, api_key, banned, concurrency),
+        visgym.EnvSettings(style=style, max_turns=max_turns, cell_px=cell_px), max_images=max_images,
+        desc=f"eval {model}", progress=progress)
     return rollout.eval_result(rollout.eval_rows(episodes, list(range(len(episodes))), max_turns), max_turns,
                                model=model, difficulty=difficulty, env_style=style)
 

@@ -37,29 +37,27 @@ import tempfile
 import time
 from pathlib import Path
 
-import rollout  # sets vLLM-related environment before anything imports it (harmless here)
+import torch
+from tqdm import tqdm
 
-import torch  # noqa: E402
-from tqdm import tqdm  # noqa: E402
-
-import env  # noqa: E402
-import visgym  # noqa: E402
-import grpo  # noqa: E402
-import policy  # noqa: E402
-import rundir  # noqa: E402
+import env
+import grpo
+import policy
+import rollout
+import rundir
+import visgym
 
 ROOT = Path(__file__).resolve().parent
 
 
-def demonstration(maze, chat: rollout.ChatFormat, reply_ids: dict, rng: random.Random, *, max_turns: int,
-                  max_images: int | None, cell_px: int, noise: float, max_detour: int = 1, style: str = "ours") -> list:
+def demonstration(maze, chat: rollout.ChatFormat, reply_ids: dict, rng: random.Random,
+                  env_settings: visgym.EnvSettings, *, max_images: int | None, noise: float,
+                  max_detour: int = 1) -> list:
     """Play one maze with the BFS policy (plus noise); return its training sequences."""
-    game = visgym.make_env(maze, style, max_turns=max_turns, cell_px=cell_px or None)
+    game = env_settings.make(maze)
     obs = game.reset()
-    episode = rollout.Episode(maze=maze, group_id=0, sample_id=0)
-    episode.user_turns.append(chat.first_turn(game.first_text(obs)))
-    episode.user_turns_text_only.append(chat.first_turn(game.first_text(obs), with_image=False))
-    episode.images.append(obs.image)
+    episode = rollout.Episode(maze=maze, group_id=0, sample_id=0, turns=[
+        chat.open_turn(game.first_text(obs), obs.image, game.agent, text_only=bool(max_images))])
     trained = []  # per turn: is this reply a demonstration (True) or noise (False)?
     detour, last_move = 0, None  # wrong moves still to play; the previous move (0-3, 4 = stop)
     while not game.done:
@@ -75,25 +73,26 @@ def demonstration(maze, chat: rollout.ChatFormat, reply_ids: dict, rng: random.R
             action, detour = best, 0
         last_move = env.ACTION_STRINGS.index(action)
         ids, images = episode.next_prompt(max_images)
-        episode.reply_ids.append(reply_ids[action])
+        turn = episode.turns[-1]
+        turn.reply_ids, turn.reply = reply_ids[action], chat.tokenizer.decode(reply_ids[action], skip_special_tokens=True)
+        turn.reply_logprobs = [rollout.NO_LOGPROB] * len(turn.reply_ids)  # demonstrated, never sampled
         trained.append(not noisy)
         prompt = chat.expand(ids, images)
         episode.sequences.append(rollout.Sequence(
             prompt + reply_ids[action], [0] * len(prompt) + [int(not noisy)] * len(reply_ids[action]),
             [0.0] * (len(prompt) + len(reply_ids[action])), images))
-        obs = game.step(chat.tokenizer.decode(reply_ids[action], skip_special_tokens=True))
+        obs = game.step(turn.reply)
         if not game.done:
-            episode.user_turns.append(chat.next_turn(obs.text, reply_ids[action]))
-            episode.user_turns_text_only.append(chat.next_turn(obs.text, reply_ids[action], with_image=False))
-            episode.images.append(obs.image)
+            episode.turns.append(chat.open_turn(obs.text, obs.image, game.agent, turn.reply_ids,
+                                                text_only=bool(max_images)))
     if max_images is None:
         # Full history: each prompt extends the previous sequence, so the last sequence holds
         # the whole episode, and reply t ends where turn t's sequence ended.
         last = episode.sequences[-1]
         mask = [0] * len(last.token_ids)
-        for seq, reply, keep in zip(episode.sequences, episode.reply_ids, trained):
+        for seq, turn, keep in zip(episode.sequences, episode.turns, trained):
             if keep:
-                mask[len(seq.token_ids) - len(reply):len(seq.token_ids)] = [1] * len(reply)
+                mask[len(seq.token_ids) - len(turn.reply_ids):len(seq.token_ids)] = [1] * len(turn.reply_ids)
         return [rollout.Sequence(last.token_ids, mask, [0.0] * len(mask), last.images)]
     return [s for s, keep in zip(episode.sequences, trained) if keep]
 
@@ -104,8 +103,9 @@ def demonstrations(chat: rollout.ChatFormat, n: int, *, max_turns: int, noise: f
     maze i played with rng seed i): the small fixed batch that checks and tests train on."""
     reply_ids, _ = reply_tokens(chat)
     stream = env.TrainMazeStream(difficulty)
-    return [demonstration(stream.next(), chat, reply_ids, random.Random(i), max_turns=max_turns, max_images=None,
-                          cell_px=env.CELL_PX_TINY, noise=noise)[0] for i in range(n)]
+    settings = visgym.EnvSettings(max_turns=max_turns, cell_px=env.CELL_PX_TINY)
+    return [demonstration(stream.next(), chat, reply_ids, random.Random(i), settings, max_images=None,
+                          noise=noise)[0] for i in range(n)]
 
 
 def reply_tokens(chat: rollout.ChatFormat) -> tuple[dict, int]:
@@ -230,9 +230,8 @@ def main():
     bar = tqdm(range(args.steps), desc="sft", unit="step")
     for step in bar:
         while len(pool) < args.batch_size:
-            pool += demonstration(next(mazes), chat, reply_ids, rng, max_turns=args.max_turns,
-                                  max_images=args.max_images or None, cell_px=args.cell_px, noise=args.noise,
-                                  max_detour=args.max_detour, style=args.env_style)
+            pool += demonstration(next(mazes), chat, reply_ids, rng, visgym.EnvSettings.of(args),
+                                  max_images=args.max_images or None, noise=args.noise, max_detour=args.max_detour)
             mazes_seen += 1
         rng.shuffle(pool)
         sequences, pool = pool[:args.batch_size], pool[args.batch_size:]
@@ -261,9 +260,8 @@ def main():
     # never trained on), with their real images and with shuffled ones.
     held_out = []
     for maze in env.eval_mazes(args.difficulty, 32, args.env_style):
-        held_out += demonstration(maze, chat, reply_ids, rng, max_turns=args.max_turns,
-                                  max_images=args.max_images or None, cell_px=args.cell_px, noise=args.noise,
-                                  max_detour=args.max_detour, style=args.env_style)
+        held_out += demonstration(maze, chat, reply_ids, rng, visgym.EnvSettings.of(args),
+                                  max_images=args.max_images or None, noise=args.noise, max_detour=args.max_detour)
     check = {"heldout_action_accuracy": action_accuracy(model, processor, held_out, answer_id),
              "heldout_action_accuracy_shuffled_images": action_accuracy(model, processor, held_out, answer_id,
                                                                         shuffle_images=random.Random(0))}

@@ -38,21 +38,21 @@ import gc
 import time
 from pathlib import Path
 
-import rollout  # first: sets vLLM's environment before anything imports vllm
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from tqdm import tqdm  # noqa: E402
-
-import branch  # noqa: E402
-import checkpoint  # noqa: E402
-from config import Config, parse_config  # noqa: E402
-import distributed  # noqa: E402
-import env  # noqa: E402
-import grpo  # noqa: E402
-import policy  # noqa: E402
-import rundir  # noqa: E402
-from distributed import log0  # noqa: E402
+import branch
+import checkpoint
+import distributed
+import env
+import grpo
+import policy
+import rollout
+import rundir
+import visgym
+from config import Config, parse_config
+from distributed import log0
 
 
 # ----------------------------------------------------------------------------- evaluation
@@ -66,18 +66,17 @@ def evaluate(cfg, engine, chat, lora_request, step: int, out: Path, run: dict | 
     mine = list(range(dist.get_rank(), len(mazes), dist.get_world_size()))
     episodes = rollout.play_chat_episodes(
         [mazes[i] for i in mine], rollout.engine_replies(engine, lora_request, cfg.max_new_tokens, chat.banned_token_ids),
-        max_turns=cfg.max_turns, cell_px=cfg.cell_px, style=cfg.env_style, max_images=cfg.max_images or None,
-        desc=f"eval@{step}",
+        visgym.EnvSettings.of(cfg), max_images=cfg.max_images or None, desc=f"eval@{step}",
         progress=cfg.progress and dist.get_rank() == 0)
     rows = [row for part in distributed.all_gather_objects(rollout.eval_rows(episodes, mine, cfg.max_turns))
             for row in part]
     result = rollout.eval_result(rows, cfg.max_turns, step=step, difficulty=cfg.difficulty, env_style=cfg.env_style)
     if cfg.sampled_eval_samples and (step == 0 or step == cfg.steps):
         sampled = rollout.play_episodes(
-            engine, chat, [mazes[i] for i in mine], mine, samples_per_maze=cfg.sampled_eval_samples,
-            max_turns=cfg.max_turns, max_new_tokens=cfg.max_new_tokens, max_model_len=cfg.max_model_len,
-            temperature=cfg.sampled_eval_temperature, seed=cfg.seed + 1, lora_request=lora_request, cell_px=cfg.cell_px,
-            style=cfg.env_style, max_images=cfg.max_images or None, desc=f"sampled eval@{step}", progress=False)
+            engine, chat, [mazes[i] for i in mine], mine, visgym.EnvSettings.of(cfg),
+            samples_per_maze=cfg.sampled_eval_samples, max_new_tokens=cfg.max_new_tokens,
+            max_model_len=cfg.max_model_len, temperature=cfg.sampled_eval_temperature, seed=cfg.seed + 1,
+            lora_request=lora_request, max_images=cfg.max_images or None, desc=f"sampled eval@{step}", progress=False)
         solved, total = distributed.sum_over_ranks([sum(e.solved for e in sampled), len(sampled)])
         result["sampled_solve_rate"] = solved / total
         result["sampled_temperature"] = cfg.sampled_eval_temperature
@@ -171,9 +170,8 @@ def main(cfg: Config):
         mine = list(range(rank * per_rank, (rank + 1) * per_rank))
         episodes = rollout.play_episodes(
             engine, chat, [mazes[i] for i in mine], [step * cfg.prompts_per_step + i for i in mine],
-            samples_per_maze=cfg.group_size, max_turns=cfg.max_turns,
-            max_new_tokens=cfg.max_new_tokens, max_model_len=cfg.max_model_len, temperature=cfg.temperature,
-            seed=cfg.seed, lora_request=lora_request, cell_px=cfg.cell_px, style=cfg.env_style,
+            visgym.EnvSettings.of(cfg), samples_per_maze=cfg.group_size, max_new_tokens=cfg.max_new_tokens,
+            max_model_len=cfg.max_model_len, temperature=cfg.temperature, seed=cfg.seed, lora_request=lora_request,
             max_images=cfg.max_images or None, desc=f"rollout@{step + 1}", progress=cfg.progress and rank == 0)
         # and the forks the groups passed, replayed with every open move (branch.py; off by default)
         branch_experiences, branch_stats = branch.branch_step(cfg, engine, chat, episodes, lora_request)

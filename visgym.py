@@ -18,6 +18,7 @@ SkyRL's shaped reward for its VisGym recipe is here too, for comparison only.
 
 import ast
 import re
+from dataclasses import dataclass
 
 from PIL import Image, ImageDraw
 
@@ -226,6 +227,24 @@ def make_env(maze: Maze, style: str = "ours", max_turns: int = 15, cell_px: int 
     if style not in MAZE_STYLES:
         raise ValueError(f"unknown style {style!r}; choose one of {list(MAZE_STYLES)}")
     return (VisGymMazeEnv if style == "visgym" else MazeEnv)(maze, max_turns=max_turns, cell_px=cell_px)
+
+
+@dataclass(frozen=True)
+class EnvSettings:
+    """How every episode of a run is played, as one record: the env's style (ours or VisGym's),
+    its turn limit and its cell size in pixels (0: the style's own). Rollouts, evaluations and
+    SFT demonstrations each take one of these and make their envs from it."""
+    style: str = "ours"
+    max_turns: int = 15
+    cell_px: int = 0
+
+    @classmethod
+    def of(cls, cfg) -> "EnvSettings":
+        """The settings of a run's Config (or of a script's arguments with the same names)."""
+        return cls(style=cfg.env_style, max_turns=cfg.max_turns, cell_px=cfg.cell_px)
+
+    def make(self, maze: Maze) -> MazeEnv:
+        return make_env(maze, self.style, max_turns=self.max_turns, cell_px=self.cell_px or None)
 
 
 # -----------------------------------------------------------------------------

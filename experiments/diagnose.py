@@ -23,7 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import rollout  # noqa: E402  (first: sets vLLM's environment)
+import rollout  # noqa: E402
 
 import env  # noqa: E402
 from experiments.eval_policy import load_policy, policy_arguments  # noqa: E402

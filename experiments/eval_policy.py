@@ -22,9 +22,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import rollout  # noqa: E402  (first: sets vLLM's environment)
+import rollout  # noqa: E402
 
 import env  # noqa: E402
+import visgym  # noqa: E402
 
 
 def adapter_config(adapter: str) -> dict:
@@ -83,8 +84,8 @@ def main():
     which = "training" if args.training_mazes else "evaluation"
     mazes = mazes_played(args.difficulty, args.n, which, args.env_style)
     episodes = rollout.play_chat_episodes(
-        mazes, replies, max_turns=args.max_turns, style=args.env_style, max_images=args.max_images or None,
-        desc=f"{which} {args.difficulty}")
+        mazes, replies, visgym.EnvSettings(style=args.env_style, max_turns=args.max_turns),
+        max_images=args.max_images or None, desc=f"{which} {args.difficulty}")
     solved = sum(e.solved for e in episodes)
     result = rollout.eval_result(rollout.eval_rows(episodes, list(range(len(episodes))), args.max_turns),
                                  args.max_turns, model=args.model, adapter=args.adapter, difficulty=args.difficulty,

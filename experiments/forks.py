@@ -27,9 +27,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import rollout  # noqa: E402  (first: sets vLLM's environment)
+import rollout  # noqa: E402
 
 import env  # noqa: E402
+import visgym  # noqa: E402
 from experiments.eval_policy import adapter_config, mazes_played  # noqa: E402
 
 
@@ -85,8 +86,9 @@ def turn_accuracy(model_path: str, mazes: list, adapter: str = "") -> tuple[coll
     for maze in mazes:
         kinds = turn_kinds(maze)
         # the whole shortest path as one conversation (full history), its replies masked in
-        sequences = sft.demonstration(maze, chat, reply_ids, random.Random(0), max_turns=len(kinds),
-                                      max_images=None, cell_px=env.CELL_PX_TINY, noise=0.0)
+        sequences = sft.demonstration(maze, chat, reply_ids, random.Random(0),
+                                      visgym.EnvSettings(max_turns=len(kinds), cell_px=env.CELL_PX_TINY),
+                                      max_images=None, noise=0.0)
         inputs, mask, _ = policy.Batch(sequences, chat.processor).micro([0], torch.device("cpu"))
         with torch.no_grad():
             logits = model(**inputs).logits[0, :-1]

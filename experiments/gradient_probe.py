@@ -50,12 +50,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import rollout  # noqa: E402  (first: sets vLLM's environment)
+import rollout  # noqa: E402
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import env  # noqa: E402
+import visgym  # noqa: E402
 from experiments.forks import turn_kinds  # noqa: E402
 
 KINDS = ("sft", "pg_exact", "grpo8_exact", "grpo8_a", "grpo8_b", "branch", "branch_best")
@@ -178,8 +179,9 @@ def state_vectors(model, chat, maze, temperature: float, max_turns: int):
 
     reply_ids, answer_id = sft.reply_tokens(chat)
     action_ids = [reply_ids[a][reply_ids[a].index(answer_id) + 1] for a in env.ACTION_STRINGS]
-    sequences = sft.demonstration(maze, chat, reply_ids, random.Random(0), max_turns=max_turns, max_images=None,
-                                  cell_px=env.CELL_PX_TINY, noise=0.0)
+    sequences = sft.demonstration(maze, chat, reply_ids, random.Random(0),
+                                  visgym.EnvSettings(max_turns=max_turns, cell_px=env.CELL_PX_TINY), max_images=None,
+                                  noise=0.0)
     inputs, mask, _ = policy.Batch(sequences, chat.processor, model).micro([0], torch.device("cpu"))
     params = [p for p in model.parameters() if p.requires_grad]
     logits = model(**inputs).logits[0, :-1]

@@ -23,7 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import rollout  # noqa: E402  (first: sets vLLM's environment)
+import rollout  # noqa: E402
 
 TARGETS = {
     "main": rollout.LORA_TARGET_REGEX,

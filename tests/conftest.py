@@ -15,7 +15,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import rollout  # noqa: E402  (sets the vLLM environment before vllm is imported anywhere)
+import rollout  # noqa: E402
 
 
 # The slowest files first: pytest-xdist (launch/test.sh, --no-loadscope-reorder) gives each of

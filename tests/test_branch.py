@@ -48,7 +48,9 @@ def test_a_restored_env_plays_on_exactly_as_the_original(style):
     original = visgym.make_env(maze, style, max_turns=max_turns)
     cells, last = walk(original, actions)
     n = len(actions)
-    episode = rollout.Episode(maze=maze, group_id=0, sample_id=0, states=cells, end_cell=original.agent)
+    episode = rollout.Episode(maze=maze, group_id=0, sample_id=0, end_cell=original.agent,
+                              turns=[rollout.Turn(text="", image=None, state=cell, reply_ids=[1], reply="")
+                                     for cell in cells])
     assert maze.goal in original.left and episode.cells_left(n) == original.left
     copy = visgym.make_env(maze, style, max_turns=max_turns)
     restored = copy.restore(original.agent, original.turn, episode.cells_left(n))
@@ -85,8 +87,10 @@ def test_forks_and_their_moves():
 
 
 def fake_episode(maze, group, cells, replies, solved):
-    return rollout.Episode(maze=maze, group_id=group, sample_id=0, states=cells, replies=replies, solved=solved,
-                           end_cell=cells[-1], reply_ids=[[1]] * len(cells), end_reason="turn_limit")
+    turns = [rollout.Turn(text="", image=None, state=cell, reply_ids=[1], reply=reply)
+             for cell, reply in zip(cells, replies, strict=True)]
+    return rollout.Episode(maze=maze, group_id=group, sample_id=0, turns=turns, solved=solved, end_cell=cells[-1],
+                           end_reason="turn_limit")
 
 
 def test_points_prefer_forks_where_the_group_disagreed_or_failed():
@@ -165,11 +169,8 @@ def first_turns(chat, maze, n: int, max_turns: int, first_sample_id: int = 0, ma
     for m in range(n):
         game = env.MazeEnv(maze, max_turns=max_turns)
         obs = game.reset()
-        e = rollout.Episode(maze=maze, group_id=0, sample_id=first_sample_id + m)
-        e.user_turns.append(chat.first_turn(game.first_text(obs)))
-        e.user_turns_text_only.append(chat.first_turn(game.first_text(obs), with_image=False) if max_images else [])
-        e.images.append(obs.image)
-        episodes.append(e)
+        first = chat.open_turn(game.first_text(obs), obs.image, game.agent, text_only=bool(max_images))
+        episodes.append(rollout.Episode(maze=maze, group_id=0, sample_id=first_sample_id + m, turns=[first]))
         games.append(game)
     return episodes, games
 
@@ -185,20 +186,22 @@ def test_a_branch_replays_its_parents_exact_prefix(engine, warm_start, max_image
     chat = rollout.ChatFormat.for_model(str(warm_start))
     cfg = train.Config(max_turns=6, max_new_tokens=8, temperature=0.5, max_images=max_images)
     maze = env.TrainMazeStream("small").next()
-    parents = rollout.play_episodes(engine, chat, [maze], [0], samples_per_maze=2, max_turns=6, max_new_tokens=8,
-                                    max_model_len=4096, temperature=0.5, seed=0, max_images=max_images or None,
-                                    progress=False)
+    parents = rollout.play_episodes(engine, chat, [maze], [0], visgym.EnvSettings(max_turns=6), samples_per_maze=2,
+                                    max_new_tokens=8, max_model_len=4096, temperature=0.5, seed=0,
+                                    max_images=max_images or None, progress=False)
     i = max(range(2), key=lambda k: parents[k].num_turns)
     parent = parents[i]
     assert parent.num_turns >= 3
     t = 2
     (point,) = branch.play_branches(cfg, engine, chat, parents, [(i, t)])
     reply_ids, _ = sft.reply_tokens(chat)
-    assert point.moves == branch.branch_moves(maze, parent.states[t]) and len(point.moves) >= 1
+    assert point.moves == branch.branch_moves(maze, parent.turns[t].state) and len(point.moves) >= 1
     parent_action = env.parse_action(parent.replies[t])
     for move, b in zip(point.moves, point.branches):
-        assert b.done and b.reply_ids[:t] == parent.reply_ids[:t] and b.reply_ids[t] == reply_ids[move]
-        assert b.states[:t + 1] == parent.states[:t + 1] and b.user_turns[:t + 1] == parent.user_turns[:t + 1]
+        assert b.done and b.turns[:t] == parent.turns[:t]  # the turns before the fork, as played
+        fork, theirs_then = b.turns[t], parent.turns[t]
+        assert (fork.state, fork.prompt_ids, fork.image) == (theirs_then.state, theirs_then.prompt_ids, theirs_then.image)
+        assert fork.reply_ids == reply_ids[move] and theirs_then.reply_ids is not None  # the parent's turn untouched
         if max_images:  # one sequence per turn: the first t are the parent's, turn t's prompt too
             assert [s.token_ids for s in b.sequences[:t]] == [s.token_ids for s in parent.sequences[:t]]
             own, theirs = b.sequences[t], parent.sequences[t]
@@ -218,9 +221,10 @@ def test_a_branch_replays_its_parents_exact_prefix(engine, warm_start, max_image
             sampled_lp = [lp for lp, m in zip(own.rollout_logprobs[e:], own.response_mask[e:]) if m]
         assert all(math.isnan(x) for x in forced_lp) and not any(math.isnan(x) for x in sampled_lp)
         if env.parse_action(f"<answer>{move}</answer>") == parent_action and t + 1 < parent.num_turns:
-            assert b.states[t + 1] == parent.states[t + 1]  # the restored env moved as the parent's did
-            assert b.user_turns[t + 1] == parent.user_turns[t + 1]
-            assert b.images[t + 1].tobytes() == parent.images[t + 1].tobytes()
+            after, theirs_after = b.turns[t + 1], parent.turns[t + 1]
+            assert after.state == theirs_after.state  # the restored env moved as the parent's did
+            assert (after.text, after.prompt_ids) == (theirs_after.text, theirs_after.prompt_ids)
+            assert after.image.tobytes() == theirs_after.image.tobytes()
         target = branch.target_sequence(b, t, max_images or None)
         assert [tok for tok, m in zip(target.token_ids, target.response_mask) if m] == reply_ids[move]
         assert target.token_ids[:start] == theirs.token_ids[:start] and len(target.token_ids) == start + len(reply_ids[move])

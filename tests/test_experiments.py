@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 import env
+import visgym
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -31,7 +32,7 @@ def test_eval_policy_plays_the_held_out_mazes_like_the_trainer(tmp_path, warm_st
     assert result["solved"] == sum(m["solved"] for m in result["mazes"])
     chat = rollout.ChatFormat.for_model(str(warm_start))
     mine = rollout.play_chat_episodes(env.eval_mazes("easy", 2), rollout.engine_replies(engine, None, 8, chat.banned_token_ids),
-                                      max_turns=3, progress=False)
+                                      visgym.EnvSettings(max_turns=3), progress=False)
     assert [m["replies"] for m in result["mazes"]] == [e.replies for e in mine]
     assert not list(out.parent.glob("*.tmp-*"))  # written atomically
 
@@ -209,8 +210,8 @@ def test_gradient_probe_gradients_match_autograd_on_the_warm_start(warm_start):
     assembled = grad_log_pi(states[i]["right"], 1.0) @ vectors[i]["basis"]
 
     reply_ids, answer_id = sft.reply_tokens(chat)
-    sequences = sft.demonstration(maze, chat, reply_ids, random.Random(0), max_turns=15, max_images=None,
-                                  cell_px=env.CELL_PX_TINY, noise=0.0)
+    sequences = sft.demonstration(maze, chat, reply_ids, random.Random(0),
+                                  visgym.EnvSettings(max_turns=15, cell_px=env.CELL_PX_TINY), max_images=None, noise=0.0)
     inputs, mask, _ = policy.Batch(sequences, chat.processor).micro([0], torch.device("cpu"))
     logits = model(**inputs).logits[0, :-1]
     position = ((mask[0] > 0) & (inputs["input_ids"][0, :-1] == answer_id)).nonzero().flatten()[i]

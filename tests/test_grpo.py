@@ -80,7 +80,8 @@ def test_episode_experiences_put_each_turns_advantage_on_its_reply_tokens():
     def episode(group, cells, reward):
         mask = [0, 0] + [m for _ in cells for m in (1, 1, 0)]  # a 2-token prompt, then reply, observation
         seq = SimpleNamespace(response_mask=mask)
-        return SimpleNamespace(maze=maze, group_id=group, states=cells, reward=reward, num_turns=len(cells),
+        turns = [SimpleNamespace(state=cell) for cell in cells]
+        return SimpleNamespace(maze=maze, group_id=group, played=turns, reward=reward, num_turns=len(cells),
                                sequences=[seq])
 
     a, b = (0, 0), (0, 1)

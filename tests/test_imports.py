@@ -19,9 +19,9 @@ ALLOWED = {
     "rundir": {"checkpoint", "distributed"},
     "policy": {"checkpoint", "distributed", "grpo", "rollout", "tiny_model"},
     "branch": {"env", "grpo", "rollout", "sft", "visgym"},
-    "train": {"branch", "checkpoint", "config", "distributed", "env", "grpo", "policy", "rollout", "rundir"},
+    "train": {"branch", "checkpoint", "config", "distributed", "env", "grpo", "policy", "rollout", "rundir", "visgym"},
     "sft": {"env", "grpo", "policy", "rollout", "rundir", "visgym"},
-    "serve": {"checkpoint", "config", "env", "policy", "rollout"},
+    "serve": {"checkpoint", "config", "env", "policy", "rollout", "visgym"},
 }
 
 
@@ -42,3 +42,14 @@ def test_imports_run_one_way():
         uses = imported(ROOT / f"{name}.py") & project
         assert not uses & {"launch", "experiments", "bench", "tests"}, f"{name}.py imports {uses}"
         assert uses <= allowed, f"{name}.py imports {sorted(uses - allowed)}, which it may not"
+
+
+def test_vllm_is_imported_only_inside_functions():
+    """rollout.py sets vLLM's environment in its module body; vllm itself is imported only inside
+    functions, so it always comes after that, whatever order modules are imported in."""
+    for path in [*ROOT.glob("*.py"), *ROOT.glob("experiments/*.py"), *ROOT.glob("launch/*.py"),
+                 *ROOT.glob("bench/*.py"), *ROOT.glob("tests/*.py")]:
+        for node in ast.parse(path.read_text()).body:  # the module's top-level statements
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            assert not any(n.split(".")[0] == "vllm" for n in names), f"{path.name}:{node.lineno} imports vllm at its top"

@@ -13,6 +13,7 @@ import torch
 import env
 import policy
 import train
+import visgym
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -116,9 +117,10 @@ def _sync_check(shared: str, model_dir: str, results):
     mazes = [env.generate_maze(7, seed=s) for s in (5, 6)]
 
     def play(request, group_offset):
-        return rollout.play_episodes(engine, chat, mazes, [group_offset, group_offset + 1], samples_per_maze=2,
-                                     max_turns=3, max_new_tokens=6, max_model_len=4096, temperature=TEMPERATURE,
-                                     seed=0, lora_request=request, progress=False)
+        return rollout.play_episodes(engine, chat, mazes, [group_offset, group_offset + 1],
+                                     visgym.EnvSettings(max_turns=3), samples_per_maze=2, max_new_tokens=6,
+                                     max_model_len=4096, temperature=TEMPERATURE, seed=0, lora_request=request,
+                                     progress=False)
 
     def trainer_mismatch(episodes, with_engine_bias=True):
         batch = policy.Batch([e.sequences[0] for e in episodes], chat.processor, model)

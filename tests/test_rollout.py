@@ -9,6 +9,7 @@ from transformers import AutoProcessor, GenerationConfig, Qwen3VLForConditionalG
 import env
 import grpo
 import rollout
+import visgym
 import policy
 from conftest import masked_segments
 
@@ -20,10 +21,11 @@ def _chat(model_dir):
 
 def _play(engine, chat, temperature=1.0, **kw):
     mazes = [env.generate_maze(7, seed=s) for s in (11, 12)]
-    args = dict(samples_per_maze=3, max_turns=4, max_new_tokens=6, max_model_len=4096,
-                temperature=temperature, seed=0, progress=False)
+    args = dict(samples_per_maze=3, max_new_tokens=6, max_model_len=4096, temperature=temperature, seed=0,
+                progress=False)
     args.update(kw)
-    return rollout.play_episodes(engine, chat, mazes, [0, 1], **args)
+    settings = visgym.EnvSettings(max_turns=args.pop("max_turns", 4))
+    return rollout.play_episodes(engine, chat, mazes, [0, 1], settings, **args)
 
 
 def test_sequences_line_up_with_the_processor(engine, warm_start):
@@ -38,22 +40,25 @@ def test_sequences_line_up_with_the_processor(engine, warm_start):
         # the masked-in segments are exactly the replies, in order
         segments = masked_segments(seq)
         assert sum(len(s) for s in segments) == e.num_generated_tokens > 0
-        for segment, reply in zip(segments, e.replies, strict=True):
+        masked_logprobs = [lp for lp, m in zip(seq.rollout_logprobs, seq.response_mask) if m]
+        assert masked_logprobs == [lp for t in e.played for lp in t.reply_logprobs]  # each turn's own, in order
+        for segment, turn in zip(segments, e.played, strict=True):
+            assert segment == turn.reply_ids
             # vLLM's text drops a trailing incomplete UTF-8 byte sequence; the tokens keep it
             decoded = processor.tokenizer.decode(segment, skip_special_tokens=True)
-            assert decoded.startswith(reply) and set(decoded[len(reply):]) <= {"\ufffd"}
+            assert decoded.startswith(turn.reply) and set(decoded[len(turn.reply):]) <= {"\ufffd"}
         # the unmasked part is the chat template's text for the observations, images expanded by
         # the HF processor exactly as vLLM expanded them
         first = processor(text=[processor.apply_chat_template([chat.user_turn(env.INSTRUCTIONS + "\n" + env.observation_text(0))],
                                                               add_generation_prompt=True, tokenize=False)],
-                          images=[e.images[0]], return_tensors="pt")["input_ids"][0].tolist()
+                          images=[e.turns[0].image], return_tensors="pt")["input_ids"][0].tolist()
         assert seq.token_ids[:len(first)] == first
         assert seq.response_mask[:len(first)] == [0] * len(first)
         vision = processor.image_processor(images=seq.images, return_tensors="pt")
         image_tokens = int(vision["image_grid_thw"].prod(-1).sum()) // 4
         assert seq.token_ids.count(processor.image_token_id) == image_tokens
         assert len(seq.images) == e.num_turns  # one image per turn played (the last state is not sent)
-        assert seq.images == e.images[:e.num_turns]
+        assert seq.images == [t.image for t in e.played]
 
 
 def test_reply_seeds_are_distinct_within_and_across_groups():
@@ -72,8 +77,8 @@ def _first_reply_logprob(model, processor, chat, episode, temperature: float) ->
     inputs, mask, _ = policy.Batch(episode.sequences, processor).micro([0], torch.device("cpu"))
     with torch.no_grad():
         logprobs = policy.sequence_logprobs(model, inputs, temperature, chat.banned_token_ids)[0]
-    first = mask[0].nonzero().flatten()[:len(episode.reply_ids[0])]
-    assert inputs["input_ids"][0, 1:][first].tolist() == episode.reply_ids[0]
+    first = mask[0].nonzero().flatten()[:len(episode.turns[0].reply_ids)]
+    assert inputs["input_ids"][0, 1:][first].tolist() == episode.turns[0].reply_ids
     return logprobs[first].sum().item()
 
 
@@ -106,10 +111,10 @@ def test_group_members_play_the_same_maze_with_different_samples(engine, warm_st
         assert len(members) == 8 and len({e.maze.layout_key() for e in members}) == 1  # one maze per group
         logp = _first_reply_logprob(model, processor, chat, members[0], args["temperature"])
         print(f"group {group}: P(first reply) = {math.exp(logp):.2e}")
-        agree = len({tuple(e.reply_ids[0]) for e in members}) == 1
+        agree = len({tuple(e.turns[0].reply_ids) for e in members}) == 1
         assert not (agree and 7 * logp < math.log(1e-9)), "8 members drew the same improbable reply"
     again = _play(engine, chat, **args)  # seeded per episode and turn: reproducible
-    assert [e.reply_ids for e in again] == [e.reply_ids for e in episodes]
+    assert [[t.reply_ids for t in e.played] for e in again] == [[t.reply_ids for t in e.played] for e in episodes]
 
 
 def test_trainer_logprobs_match_vllm(engine, warm_start):
@@ -134,13 +139,14 @@ def test_last_k_images_makes_one_sequence_per_turn(engine, warm_start):
     for e in episodes:
         assert len(e.sequences) == e.num_turns
         for turn, seq in enumerate(e.sequences):
-            assert seq.images == [e.images[turn]]  # only the current state's image
-            assert seq.token_ids.count(processor.image_token_id) == chat.image_tokens(e.images[turn])
+            image = e.turns[turn].image
+            assert seq.images == [image]  # only the current state's image
+            assert seq.token_ids.count(processor.image_token_id) == chat.image_tokens(image)
             # the reply of this turn (and only it) is trained in this sequence
-            reply = e.reply_ids[turn]
+            reply = e.turns[turn].reply_ids
             assert sum(seq.response_mask) == len(reply) and seq.token_ids[-len(reply):] == reply
             # earlier replies are still in the context, token for token, masked out
-            for earlier in e.reply_ids[:turn]:
+            for earlier in (t.reply_ids for t in e.turns[:turn]):
                 assert any(seq.token_ids[j:j + len(earlier)] == earlier for j in range(len(seq.token_ids)))
 
 
@@ -177,13 +183,42 @@ def test_chat_episodes_parse_and_score():
     mazes = env.eval_mazes("small", 4)
     plans = {m.seed: env.solve(m) for m in mazes}
     episodes = rollout.play_chat_episodes(mazes, lambda batch: _scripted(batch, mazes, plans),
-                                          max_turns=30, progress=False)
+                                          visgym.EnvSettings(max_turns=30), progress=False)
     assert all(e.solved and e.end_reason == "stop" and e.reward == 1.0 for e in episodes)
     assert [e.num_turns for e in episodes] == [len(plans[m.seed]) for m in mazes]
     # a replier that always walks into garbage never solves and hits the turn limit
-    episodes = rollout.play_chat_episodes(mazes, lambda batch: ["no idea"] * len(batch), max_turns=3,
-                                          progress=False)
+    episodes = rollout.play_chat_episodes(mazes, lambda batch: ["no idea"] * len(batch),
+                                          visgym.EnvSettings(max_turns=3), progress=False)
     assert all(not e.solved and e.end_reason == "turn_limit" and e.invalid_actions == 3 for e in episodes)
+
+
+def test_an_episode_is_its_turns_read_the_same_way_by_engine_prompts_and_chat_messages():
+    """Prompts (token ids) and chat messages are both read off the Turn records, images only in
+    the last k user turns; prefix(t) shares turns 0..t-1 and asks turn t anew, leaving the
+    parent's turn t as it was."""
+    from PIL import Image
+
+    image_pad = 7
+    images = [Image.new("RGB", (32, 32), (40 * k, 0, 0)) for k in range(3)]
+    turns = [rollout.Turn(text=f"view {k}", image=images[k], state=(k, 1), prompt_ids=[10 + k, image_pad],
+                          prompt_ids_text_only=[10 + k], reply_ids=[20 + k], reply_logprobs=[-0.5], reply=f"r{k}")
+             for k in range(3)]
+    episode = rollout.Episode(maze=env.generate_maze(7, seed=1), group_id=0, sample_id=0, turns=turns,
+                              sequences=[rollout.Sequence([k], [1], [-0.5], [images[k]]) for k in range(3)])
+    assert episode.next_prompt(None) == ([10, 7, 20, 11, 7, 21, 12, 7, 22], images)
+    assert episode.next_prompt(1) == ([10, 20, 11, 21, 12, 7, 22], images[2:])
+    messages = rollout.chat_messages(episode, max_images=1)
+    assert [m["role"] for m in messages] == ["user", "assistant"] * 3
+    assert [m["content"] for m in messages[1::2]] == ["r0", "r1", "r2"]
+    assert [[p["type"] for p in m["content"]] for m in messages[0::2]] == [["text"], ["text"], ["image_url", "text"]]
+    assert [m["content"][-1]["text"] for m in messages[0::2]] == ["view 0", "view 1", "view 2"]
+    assert [len(m["content"]) for m in rollout.chat_messages(episode)[0::2]] == [2, 2, 2]
+    branch = episode.prefix(2, sample_id=5, max_images=1)
+    assert branch.turns[:2] == turns[:2] and branch.num_turns == 2 and not branch.turns[2].answered
+    assert branch.next_prompt(1) == ([10, 20, 11, 21, 12, 7], images[2:])  # waiting for its reply 2
+    assert len(branch.sequences) == 2 and branch.replies == ["r0", "r1"]
+    branch.turns[2].reply = "another"
+    assert episode.turns[2].reply == "r2" and episode.replies == ["r0", "r1", "r2"]
 
 
 def _scripted(batch, mazes, plans):

@@ -24,6 +24,7 @@ import pytest
 import env
 import rollout
 import serve
+import visgym
 from tiny_model import random_lora
 
 
@@ -210,7 +211,7 @@ def test_eval_over_http_matches_the_in_process_eval(server, base, adapter_root, 
     banned = rollout.ChatFormat(AutoProcessor.from_pretrained(warm_start), []).banned_token_ids
     offline = rollout.play_chat_episodes(
         env.eval_mazes("small", 8), rollout.engine_replies(engine, offline_adapter(adapter_root, "a"), 8, banned),
-        max_turns=15, progress=False)
+        visgym.EnvSettings(max_turns=15), progress=False)
     served = serve.evaluate(server.url, f"{base}:a", **EVAL, api_key=API_KEY, progress=False)
     assert [row["replies"] for row in served["mazes"]] == [e.replies for e in offline]
     base_rows = json.loads((trained_run / "eval" / "step_4.json").read_text())["mazes"]

@@ -12,6 +12,7 @@ from transformers import AutoProcessor, GenerationConfig
 import env
 import rollout
 import sft
+import visgym
 from conftest import masked_segments
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -29,8 +30,8 @@ def test_demonstrations_train_only_on_replies(tiny_model):
     processor, chat, replies = _setup(tiny_model)
     maze = env.generate_maze(7, seed=1_000_123)
     plan = env.solve(maze)
-    seqs = sft.demonstration(maze, chat, replies, random.Random(0), max_turns=30, max_images=1,
-                             cell_px=32, noise=0.0)
+    seqs = sft.demonstration(maze, chat, replies, random.Random(0), visgym.EnvSettings(max_turns=30),
+                             max_images=1, noise=0.0)
     assert len(seqs) == len(plan)  # one sequence per turn with the last-image policy
     for seq, action in zip(seqs, plan):
         assert masked_segments(seq) == [replies[action]]  # exactly the reply, nothing else
@@ -38,8 +39,8 @@ def test_demonstrations_train_only_on_replies(tiny_model):
         assert len(seq.images) == 1
         assert seq.token_ids.count(processor.image_token_id) == chat.image_tokens(seq.images[0])
 
-    full = sft.demonstration(maze, chat, replies, random.Random(0), max_turns=30, max_images=None,
-                             cell_px=32, noise=0.0)
+    full = sft.demonstration(maze, chat, replies, random.Random(0), visgym.EnvSettings(max_turns=30),
+                             max_images=None, noise=0.0)
     assert len(full) == 1 and len(full[0].images) == len(plan)  # full history: one sequence
     assert masked_segments(full[0]) == [replies[a] for a in plan]
 
@@ -47,8 +48,8 @@ def test_demonstrations_train_only_on_replies(tiny_model):
 def test_noisy_turns_are_context_not_targets(tiny_model):
     _, chat, replies = _setup(tiny_model)
     maze = env.generate_maze(7, seed=1_000_456)
-    seqs = sft.demonstration(maze, chat, replies, random.Random(3), max_turns=15, max_images=1,
-                             cell_px=32, noise=0.5)
+    seqs = sft.demonstration(maze, chat, replies, random.Random(3), visgym.EnvSettings(max_turns=15),
+                             max_images=1, noise=0.5)
     # every trained reply is the BFS move from the state its image shows
     for seq in seqs:
         (target,) = masked_segments(seq)
@@ -64,8 +65,8 @@ def test_detours_leave_the_path_for_several_moves(tiny_model):
     longest = 0
     for seed in range(5):
         maze = env.generate_maze(7, seed=1_000_100 + seed)
-        (seq,) = sft.demonstration(maze, chat, replies, random.Random(seed), max_turns=15, max_images=None,
-                                   cell_px=32, noise=0.5, max_detour=3)
+        (seq,) = sft.demonstration(maze, chat, replies, random.Random(seed), visgym.EnvSettings(max_turns=15),
+                                   max_images=None, noise=0.5, max_detour=3)
         # one entry per reply: was it trained on? (the token after <answer> is the action)
         trained = [seq.response_mask[i + 1] for i, t in enumerate(seq.token_ids) if t == answer_id]
         run = 0
@@ -122,8 +123,8 @@ def test_action_hits_count_one_action_token_per_trained_reply(tiny_model):
 
     processor, chat, replies = _setup(tiny_model)
     maze = env.generate_maze(7, seed=1_000_789)
-    (seq,) = sft.demonstration(maze, chat, replies, random.Random(1), max_turns=15, max_images=None,
-                               cell_px=32, noise=0.3)
+    (seq,) = sft.demonstration(maze, chat, replies, random.Random(1), visgym.EnvSettings(max_turns=15),
+                               max_images=None, noise=0.3)
     inputs, mask, _ = Batch([seq], processor).micro([0], torch.device("cpu"))
     targets = inputs["input_ids"][:, 1:]
     answer_id = chat._ids("<answer>")[0]

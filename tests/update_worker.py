@@ -14,7 +14,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import rollout  # noqa: E402  (first: sets vLLM's environment)
+import rollout  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -25,6 +25,7 @@ import grpo  # noqa: E402
 import policy  # noqa: E402
 import sft  # noqa: E402
 import train  # noqa: E402
+import visgym  # noqa: E402
 
 
 def main(model_dir: str, out: str):
@@ -63,13 +64,14 @@ def main(model_dir: str, out: str):
         e = rollout.Episode(maze=maze, group_id=i // 2, sample_id=i)
         # lengths that differ between the ranks' halves (rank 0 gets the even episodes), so that
         # normalising by a rank's own token count instead of the global one changes the gradient
-        e.sequences = sft.demonstration(maze, chat, reply_ids, random.Random(i), max_turns=4 + 2 * (i % 2) + i // 2,
-                                        max_images=None, cell_px=env.CELL_PX_TINY, noise=0.5)
+        settings = visgym.EnvSettings(max_turns=4 + 2 * (i % 2) + i // 2, cell_px=env.CELL_PX_TINY)
+        e.sequences = sft.demonstration(maze, chat, reply_ids, random.Random(i), settings, max_images=None, noise=0.5)
         # a made-up sampling logprob per reply token, so truncated importance sampling has work to do
         lp = torch.Generator().manual_seed(100 + i)
         for s in e.sequences:
             s.rollout_logprobs = [(-0.1 * torch.rand(1, generator=lp).item()) if m else 0.0 for m in s.response_mask]
-        e.replies = ["x"] * grpo.reply_count(e.sequences[0].response_mask)
+        e.turns = [rollout.Turn(text="", image=None, state=maze.start, reply_ids=[], reply="x")
+                   for _ in range(grpo.reply_count(e.sequences[0].response_mask))]
         e.reward = rewards[i]
         episodes.append(e)
     mine = [e for i, e in enumerate(episodes) if i % world == rank]  # one member of each group per rank
