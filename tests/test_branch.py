@@ -235,7 +235,9 @@ def test_a_branch_replays_its_parents_exact_prefix(engine, warm_start, max_image
 # A confidently wrong fork of the warm start: training maze 12 (seed 1000014) at turn 2 of its
 # shortest path, where the warm start gives the right move p = 0.0025 at T 0.5 (found by teacher-
 # forcing the shortest paths of the first 40 training mazes, as experiments/gradient_probe.py does;
-# the test measures p again before it relies on it).
+# the test measures p again before it relies on it). The two warm starts this machine builds (two
+# threads, and OMP_NUM_THREADS=1 as the suite's workers build it) give p = 0.00254 and 0.00337
+# there, the same 8 wrong choices and the same branch returns (up 0.735, the others 0).
 FORK_MAZE, FORK_TURN, TEMPERATURE = 12, 2, 0.5
 
 
@@ -323,7 +325,14 @@ def test_the_branch_term_lifts_a_confidently_wrong_fork_like_an_sft_step(engine,
     rise = {k: math.log(out[k] / out["before"]) for k in ("sft", "grpo", "grpo_and_branch", "branch")}
     assert rise["sft"] > 0.2
     assert rise["grpo_and_branch"] >= 0.5 * rise["sft"] and rise["branch"] >= 0.5 * rise["sft"]  # like SFT's ...
-    assert rise["grpo"] < 0.25 * rise["sft"]  # ... which plain GRPO's update is not
+    # ... which plain GRPO's update is not when the group has no reward spread (all 8 failed: then
+    # every advantage is 0). With p ~0.003 one of the 8 goes the right way with probability 2-3%
+    # on a warm start built elsewhere, and may solve: GRPO then has a signal, and that is not the
+    # case this compares.
+    if len({e.reward for e in episodes}) == 1:
+        assert rise["grpo"] < 0.25 * rise["sft"]
+    else:
+        print("the group had reward spread: GRPO's own signal is not compared")
     # the forced reply's NaN log-probs never reached the mismatch (a NaN would fail this)
     assert out["grpo_and_branch_mismatch"] < 1e-4 and out["branch_mismatch"] < 1e-4
 
