@@ -435,6 +435,13 @@ def eval_mazes(difficulty: str, n: int = 64, style: str = "ours") -> list:
     return [generate(_size_of(difficulty), seed) for seed in range(n)]
 
 
+def first_training_mazes(difficulty: str, n: int, eval_n: int = 64, style: str = "ours") -> list:
+    """The first n mazes of the training stream (what a run with train_pool n trains on): played
+    greedy beside the evaluation mazes, they tell memorising from generalising."""
+    stream = TrainMazeStream(difficulty, eval_n=eval_n, style=style)
+    return [stream.next() for _ in range(n)]
+
+
 class TrainMazeStream:
     """An endless, resumable stream of training mazes, none with the layout of an evaluation maze.
 

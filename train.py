@@ -60,18 +60,26 @@ from distributed import log0
 def evaluate(cfg, engine, chat, lora_request, step: int, out: Path, run: dict | None = None) -> dict:
     """Greedy play of the fixed evaluation mazes, split over ranks, through the chat API exactly as
     `serve.py eval` plays them over HTTP (rollout.play_chat_episodes); rank 0 writes the JSON.
-    With sampled_eval_samples, also the mean solve rate of that many sampled episodes per maze.
-    The file also names the run, adapter and base it played (rundir.eval_file)."""
+    Beside them, greedy play of the first eval_mazes training mazes (`training_mazes`): a policy
+    that memorises rises there only. With sampled_eval_samples, also the mean solve rate of that
+    many sampled episodes per held-out maze. The file names the run, adapter and base it played."""
+    replies = rollout.engine_replies(engine, lora_request, cfg.max_new_tokens, chat.banned_token_ids)
+
+    def greedy(mazes: list, desc: str) -> dict:
+        mine = list(range(dist.get_rank(), len(mazes), dist.get_world_size()))
+        episodes = rollout.play_chat_episodes(
+            [mazes[i] for i in mine], replies, visgym.EnvSettings.of(cfg), max_images=cfg.max_images or None,
+            desc=desc, progress=cfg.progress and dist.get_rank() == 0)
+        rows = [row for part in distributed.all_gather_objects(rollout.eval_rows(episodes, mine, cfg.max_turns))
+                for row in part]
+        return rollout.eval_result(rows, cfg.max_turns)
+
     mazes = env.eval_mazes(cfg.difficulty, cfg.eval_mazes, cfg.env_style)
-    mine = list(range(dist.get_rank(), len(mazes), dist.get_world_size()))
-    episodes = rollout.play_chat_episodes(
-        [mazes[i] for i in mine], rollout.engine_replies(engine, lora_request, cfg.max_new_tokens, chat.banned_token_ids),
-        visgym.EnvSettings.of(cfg), max_images=cfg.max_images or None, desc=f"eval@{step}",
-        progress=cfg.progress and dist.get_rank() == 0)
-    rows = [row for part in distributed.all_gather_objects(rollout.eval_rows(episodes, mine, cfg.max_turns))
-            for row in part]
-    result = rollout.eval_result(rows, cfg.max_turns, step=step, difficulty=cfg.difficulty, env_style=cfg.env_style)
+    result = {"step": step, "difficulty": cfg.difficulty, "env_style": cfg.env_style, **greedy(mazes, f"eval@{step}")}
+    result["training_mazes"] = greedy(env.first_training_mazes(cfg.difficulty, cfg.eval_mazes, cfg.eval_mazes,
+                                                               cfg.env_style), f"training mazes@{step}")
     if cfg.sampled_eval_samples and (step == 0 or step == cfg.steps):
+        mine = list(range(dist.get_rank(), len(mazes), dist.get_world_size()))
         sampled = rollout.play_episodes(
             engine, chat, [mazes[i] for i in mine], mine, visgym.EnvSettings.of(cfg),
             samples_per_maze=cfg.sampled_eval_samples, max_new_tokens=cfg.max_new_tokens,
@@ -82,7 +90,9 @@ def evaluate(cfg, engine, chat, lora_request, step: int, out: Path, run: dict | 
         result["sampled_temperature"] = cfg.sampled_eval_temperature
     if dist.get_rank() == 0:
         rundir.eval_file(out, result, run or {"run_id": None, "base": None}, lora_request)
-    log0(f"eval step {step}: solved {result['solved']}/{result['total']}")
+    train_mazes = result["training_mazes"]
+    log0(f"eval step {step}: solved {result['solved']}/{result['total']} held-out, "
+         f"{train_mazes['solved']}/{train_mazes['total']} of the first training mazes")
     return result
 
 

@@ -52,8 +52,7 @@ def load_policy(model: str, adapter: str, max_turns: int):
 def mazes_played(difficulty: str, n: int, which: str = "evaluation", style: str = "ours") -> list:
     """The mazes a result's `mazes_played` names: the first n evaluation or training mazes."""
     if which == "training":
-        stream = env.TrainMazeStream(difficulty, style=style)
-        return [stream.next() for _ in range(n)]
+        return env.first_training_mazes(difficulty, n, style=style)
     return env.eval_mazes(difficulty, n, style)
 
 

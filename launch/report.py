@@ -50,6 +50,10 @@ def plot_curves(run: Path, evals: list[dict], window: int = 25) -> Path:
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot([r["step"] for r in evals], [100 * r["solve_rate"] for r in evals], "o-",
             label=f"held-out solve rate ({evals[0]['total']} {evals[0]['difficulty']} mazes, greedy)")
+    seen = [r for r in evals if "training_mazes" in r]
+    if seen:  # the mazes it trains on first, greedy: above the held-out curve is memorising
+        ax.plot([r["step"] for r in seen], [100 * r["training_mazes"]["solve_rate"] for r in seen], "s--",
+                color="tab:green", label=f"first {seen[0]['training_mazes']['total']} training mazes, greedy")
     if metrics:
         steps, rates = [m["step"] for m in metrics], [100 * m["solve_rate"] for m in metrics]
         episodes = config.get("prompts_per_step", 0) * config.get("group_size", 0)
@@ -151,19 +155,47 @@ def sampled_temperature(config: dict) -> float:
     return config.get("sampled_eval_temperature", config.get("temperature", 1.0))
 
 
+def forks_right(model: str, difficulty: str, n: int, adapter: str = "") -> tuple[int, int]:
+    """Forks of the n evaluation mazes' shortest paths the policy gets right teacher-forced
+    (experiments/forks.py): the mechanism's own effect, beside the solve rate it feeds."""
+    from experiments.eval_policy import mazes_played
+    from experiments.forks import turn_accuracy
+
+    right, total = turn_accuracy(model, mazes_played(difficulty, n), adapter)
+    forks = [kind for kind in total if kind.startswith("fork")]
+    return sum(right[k] for k in forks), sum(total[k] for k in forks)
+
+
 def lift_record(run: Path, kind: str, command: str) -> dict:
     """What docs/results/rl_lift.json keeps of a run: greedy held-out solved before GRPO, at its
-    best and at the end, the sampled solve rate before and after, and what it took."""
+    best and at the end, the same of the first training mazes, the sampled solve rate before and
+    after, the held-out forks right before and after (teacher-forced), and what it took."""
     evals = load_evals(run)
     config = json.loads((run / "config.json").read_text())
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     best = max(evals, key=lambda r: (r["solved"], -r["step"]))
+    final_adapter = run / "adapters" / f"step_{evals[-1]['step']}"
+    forks_before = forks_after = forks_total = None
+    if (Path(config.get("model", "")) / "config.json").exists() and final_adapter.is_dir():
+        difficulty, n = evals[0]["difficulty"], evals[0]["total"]
+        forks_before, forks_total = forks_right(config["model"], difficulty, n)
+        forks_after = forks_right(config["model"], difficulty, n, str(final_adapter))[0]
+        print(f"{run}: held-out forks right (teacher-forced) {forks_before}/{forks_total} before GRPO, "
+              f"{forks_after}/{forks_total} at the end")
+    else:
+        print(f"{run}: forks not scored (its model {config.get('model')!r} or {final_adapter} is not here)")
     return {"kind": kind, "run": str(run), "seed": config["seed"], "difficulty": evals[0]["difficulty"],
             "total": evals[0]["total"], "warm_start_solved": evals[0]["solved"], "best_solved": best["solved"],
             "best_step": best["step"], "final_solved": evals[-1]["solved"], "final_step": evals[-1]["step"],
+            # greedy play of the first training mazes (evaluations since 2026-12-03 have it)
+            "train_solved_before": evals[0].get("training_mazes", {}).get("solved"),
+            "train_solved_after": evals[-1].get("training_mazes", {}).get("solved"),
+            "forks_before": forks_before, "forks_after": forks_after, "forks_total": forks_total,
             "sampled_before": evals[0].get("sampled_solve_rate"), "sampled_after": evals[-1].get("sampled_solve_rate"),
             "sampled_temperature": sampled_temperature(config),
             "train_temperature": config.get("temperature", 1.0),
+            "branch_points_per_group": config.get("branch_points_per_group", 0),
+            "branch_weight": config.get("branch_weight"),
             # a run still under way reads as such: grpo_steps short of planned_steps
             "grpo_steps": len(metrics), "planned_steps": config.get("steps"),
             "grpo_minutes": round(sum(m["step_s"] for m in metrics) / 60, 1),
@@ -206,6 +238,10 @@ def main():
         print(f"| before GRPO | {evals[0]['step']} | {evals[0]['solved']}/{evals[0]['total']} |")
         print(f"| best | {best['step']} | {best['solved']}/{best['total']} |")
         print(f"| final | {evals[-1]['step']} | {evals[-1]['solved']}/{evals[-1]['total']} |")
+        if "training_mazes" in evals[0] and "training_mazes" in evals[-1]:
+            before, after = evals[0]["training_mazes"], evals[-1]["training_mazes"]
+            print(f"\nfirst {before['total']} training mazes, greedy: {before['solved']} solved before GRPO, "
+                  f"{after['solved']} at the end")
         if "sampled_solve_rate" in evals[0] and "sampled_solve_rate" in evals[-1]:
             print(f"\nsampled solve rate (temperature {sampled_temperature(config)}, held-out mazes): "
                   f"{evals[0]['sampled_solve_rate']:.3f} before GRPO, {evals[-1]['sampled_solve_rate']:.3f} after")

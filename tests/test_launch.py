@@ -389,6 +389,7 @@ def _fake_run(run: Path, seed: int, solved_by_step: dict, step_s: float, sampled
     for step, solved in solved_by_step.items():
         rows = [{"maze_index": 0, "solved": True, "replies": [f"<answer>{a}</answer>" for a in env.solve(maze)]}]
         extra = {"sampled_solve_rate": sampled[step]} if sampled and step in sampled else {}
+        extra["training_mazes"] = {"solved": solved + 1, "total": 64, "solve_rate": (solved + 1) / 64}
         (run / "eval" / f"step_{step}.json").write_text(json.dumps(
             {"step": step, "difficulty": "small", "solved": solved, "total": 64, "solve_rate": solved / 64,
              "mazes": rows, "run_id": "this-run", **extra}))
@@ -439,6 +440,9 @@ def test_report_tables_come_from_the_logged_files(tmp_path):
     assert records[str(a)]["grpo_minutes"] == 1.0  # 20 steps of 3 s
     assert records[str(a)]["planned_steps"] == 30  # of which 20 are done: a run under way
     assert records[str(a)]["train_temperature"] == 0.5
+    # greedy on the first training mazes, beside the held-out ones; forks need the model, not here
+    assert (records[str(a)]["train_solved_before"], records[str(a)]["train_solved_after"]) == (33, 61)
+    assert records[str(a)]["forks_before"] is None and "forks not scored" in proc.stdout
 
 
 def test_the_training_curve_is_a_rolling_mean():

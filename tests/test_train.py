@@ -15,6 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import env
 import policy
 import train
 from conftest import SHORT_RUN
@@ -131,9 +132,11 @@ def test_a_damaged_checkpoint_and_changed_settings_on_resume(tmp_path, short_run
 
 # ----------------------------------------------------------------------------- evaluation
 
-def test_the_sampled_evaluation_samples_at_its_own_temperature(tmp_path, engine, warm_start):
-    """--sampled-eval-temperature, not the training temperature, is what the engine samples the
-    held-out mazes at, and the evaluation file says which one it was."""
+def test_an_evaluation_plays_the_first_training_mazes_too_and_samples_at_its_own_temperature(
+        tmp_path, engine, warm_start):
+    """Greedy play of the held-out mazes and, beside them, of the first training mazes (the ones
+    the trainer's stream starts with); --sampled-eval-temperature, not the training temperature,
+    is what the engine samples the held-out mazes at, and the evaluation file says which one."""
     import torch.distributed as dist
 
     import rollout
@@ -163,6 +166,11 @@ def test_the_sampled_evaluation_samples_at_its_own_temperature(tmp_path, engine,
     assert 0.0 <= result["sampled_solve_rate"] <= 1.0
     saved = json.loads((tmp_path / "eval" / "step_0.json").read_text())
     assert saved["sampled_temperature"] == 0.8 and saved["solved"] == result["solved"]
+    assert [r["seed"] for r in saved["mazes"]] == [0, 1]
+    stream = env.TrainMazeStream("small", eval_n=2)  # the trainer's, as train.main makes it
+    assert [r["seed"] for r in saved["training_mazes"]["mazes"]] == [stream.next().seed, stream.next().seed]
+    assert saved["training_mazes"]["total"] == 2 and saved["training_mazes"]["solved"] == sum(
+        r["solved"] for r in saved["training_mazes"]["mazes"])
 
 
 # ----------------------------------------------------------------------------- configuration
