@@ -104,7 +104,7 @@ def play_branches(cfg, engine, chat: rollout.ChatFormat, episodes: list, points:
     """Every branch of every point, played to the end in one batched turn loop (rollout.play_turns)."""
     reply_ids, _ = sft.reply_tokens(chat)
     max_images = cfg.max_images or None
-    max_turns = cfg.max_turns
+    max_turns, env_settings = cfg.max_turns, visgym.EnvSettings.of(cfg)
     found, branches, games, forced = [], [], [], []
     for i, t in points:
         parent = episodes[i]
@@ -112,7 +112,7 @@ def play_branches(cfg, engine, chat: rollout.ChatFormat, episodes: list, points:
         moves = branch_moves(parent.maze, fork)
         for m, move in enumerate(moves):
             branch = parent.prefix(t, (parent.sample_id * max_turns + t) * len(env.ACTION_STRINGS) + m, max_images)
-            game = visgym.EnvSettings.of(cfg).make(parent.maze)
+            game = env_settings.make(parent.maze)
             game.restore(fork, t, parent.cells_left(t))
             branches.append(branch)
             games.append(game)

@@ -134,7 +134,8 @@ class EngineConfig:
 class RunConfig:
     _argument_group_name = "evaluation, checkpoints and paths"
     eval_interval: int = setting(25, "greedy held-out evaluation every N steps (and at the start and end)")
-    eval_mazes: int = setting(64, "held-out evaluation mazes", meaningful=True)
+    eval_mazes: int = setting(64, "held-out evaluation mazes (each evaluation also plays as many of the first "
+                                    "training mazes, or the pool's)", meaningful=True)
     sampled_eval_samples: int = setting(8, "> 0: also the sampled solve rate, this many episodes a maze, at the "
                                            "start and the end")
     sampled_eval_temperature: float = setting(1.0, "the sampled evaluation's temperature (1: the policy itself)")

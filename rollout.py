@@ -377,7 +377,8 @@ class Turn:
     """One turn of an episode: what the env showed, what the agent replied.
 
     Rollouts, chat evaluations and SFT demonstrations all build these the same way (a turn is
-    opened when the env shows a state, and answered when the reply comes); an episode's last turn
+    opened when the env shows a state, and answered when the reply comes; a chat evaluation's
+    turns are text and images only, its server tokenises them); an episode's last turn
     stays unanswered if the episode ended without asking for it (context limit)."""
     text: str  # what the env said: the first turn's task and view, then its feedback on each move
     image: object  # the state the agent was shown
@@ -387,6 +388,8 @@ class Turn:
     reply_ids: list = None  # the reply's token ids, exactly as generated or forced; None until answered
     reply_logprobs: list = None  # the engine's sampling log-prob of each reply token (NaN: forced, 0: greedy)
     reply: str = None  # the reply decoded
+    # the image as a PNG data URL, made once: a chat conversation sends every image again each turn
+    image_data_url: str = field(default=None, repr=False, compare=False)
 
     @property
     def answered(self) -> bool:
@@ -424,8 +427,8 @@ class Episode:
         return [t.reply for t in self.played]
 
     @property
-    def num_generated_tokens(self) -> int:
-        return sum(len(t.reply_ids) for t in self.played)
+    def num_generated_tokens(self) -> int:  # 0 for a chat evaluation's turns (text only)
+        return sum(len(t.reply_ids or ()) for t in self.played)
 
     def prefix(self, turn: int, sample_id: int, max_images: int | None) -> "Episode":
         """This episode as it stood when its reply `turn` was asked for: turns 0..turn-1 as played,
@@ -650,9 +653,11 @@ def image_url(image) -> str:
     return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
 
 
-def chat_user_message(text: str, image=None) -> dict:
-    """A user turn as an OpenAI chat message: its image (if any), then its text."""
-    picture = [{"type": "image_url", "image_url": {"url": image_url(image)}}] if image is not None else []
+def chat_user_message(text: str, image=None, url: str | None = None) -> dict:
+    """A user turn as an OpenAI chat message: its image (if any; or its data URL), then its text."""
+    if image is not None and url is None:
+        url = image_url(image)
+    picture = [{"type": "image_url", "image_url": {"url": url}}] if url is not None else []
     return {"role": "user", "content": [*picture, {"type": "text", "text": text}]}
 
 
@@ -675,7 +680,9 @@ def chat_messages(episode: Episode, max_images: int | None = None) -> list:
     first_with_image = len(episode.turns) - max_images if max_images else 0
     messages = []
     for t, turn in enumerate(episode.turns):
-        messages.append(chat_user_message(turn.text, turn.image if t >= first_with_image else None))
+        if t >= first_with_image and turn.image_data_url is None:
+            turn.image_data_url = image_url(turn.image)
+        messages.append(chat_user_message(turn.text, url=turn.image_data_url if t >= first_with_image else None))
         if turn.answered:
             messages.append({"role": "assistant", "content": turn.reply})
     return messages

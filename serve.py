@@ -505,7 +505,8 @@ def vision_token_ids(url: str, api_key: str = "", processor: str = "") -> list[i
 def evaluate(url: str, model: str, *, difficulty: str = "small", n: int = 64, max_turns: int = 15,
              max_new_tokens: int = 32, max_images: int | None = None, cell_px: int = 0, style: str = "ours",
              api_key: str = "", processor: str = "", concurrency: int = 64, progress: bool = True) -> dict:
-    """Greedy play of the eval mazes through the server: `train.evaluate`'s JSON, without `step`."""
+    """Greedy play of the eval mazes through the server: `train.evaluate`'s held-out part (its
+    `mazes`, `solved`, `total`, ...), without `step`, the training mazes or the sampled rate."""
     mazes = env.eval_mazes(difficulty, n, style)
     banned = vision_token_ids(url, api_key, processor)
     episodes = rollout.play_chat_episodes(

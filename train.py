@@ -76,8 +76,9 @@ def evaluate(cfg, engine, chat, lora_request, step: int, out: Path, run: dict | 
 
     mazes = env.eval_mazes(cfg.difficulty, cfg.eval_mazes, cfg.env_style)
     result = {"step": step, "difficulty": cfg.difficulty, "env_style": cfg.env_style, **greedy(mazes, f"eval@{step}")}
-    result["training_mazes"] = greedy(env.first_training_mazes(cfg.difficulty, cfg.eval_mazes, cfg.eval_mazes,
-                                                               cfg.env_style), f"training mazes@{step}")
+    seen = env.first_training_mazes(cfg.difficulty, min(cfg.train_pool or cfg.eval_mazes, cfg.eval_mazes),
+                                    cfg.eval_mazes, cfg.env_style)  # a pool's mazes, or the stream's first
+    result["training_mazes"] = greedy(seen, f"training mazes@{step}")
     if cfg.sampled_eval_samples and (step == 0 or step == cfg.steps):
         mine = list(range(dist.get_rank(), len(mazes), dist.get_world_size()))
         sampled = rollout.play_episodes(

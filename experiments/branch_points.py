@@ -3,9 +3,10 @@
     python experiments/branch_points.py --model <warm start> --adapter runs/overfit/branch2/adapters/step_60 \
         --train-pool 8 --maze-seed 1000004
 
-One group (`--group-size` members of one training maze, at the run's temperature) played exactly
-as train.py plays it (rollout.play_episodes), then branch.choose_points and branch.play_branches
-as the trainer calls them. Prints where each member went and how it ended, then, per point, the
+One group (`--group-size` members of one training maze, at the run's temperature) played as
+train.py plays it (rollout.play_episodes), then branch.choose_points and branch.play_branches as
+the trainer calls them; the other settings are the Config's defaults (8 reply tokens, our maze
+style, the full image history; this tool has no flags for them). Prints where each member went and how it ended, then, per point, the
 moves tried, their returns, the target (if any) and what each branch did after its forced move.
 It says whether a mistake the run does not fix has no target (every branch returns 0) or has one
 that is too light to move the policy.
@@ -24,7 +25,7 @@ import branch  # noqa: E402
 import env  # noqa: E402
 import visgym  # noqa: E402
 from config import Config  # noqa: E402
-from eval_policy import load_policy  # noqa: E402
+from experiments.eval_policy import load_policy  # noqa: E402
 
 
 def main():

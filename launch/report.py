@@ -176,14 +176,17 @@ def lift_record(run: Path, kind: str, command: str) -> dict:
     best = max(evals, key=lambda r: (r["solved"], -r["step"]))
     final_adapter = run / "adapters" / f"step_{evals[-1]['step']}"
     forks_before = forks_after = forks_total = None
-    if (Path(config.get("model", "")) / "config.json").exists() and final_adapter.is_dir():
+    # experiments/forks.py scores our own mazes and drawing only
+    if (Path(config.get("model", "")) / "config.json").exists() and final_adapter.is_dir() \
+            and config.get("env_style", "ours") == "ours":
         difficulty, n = evals[0]["difficulty"], evals[0]["total"]
         forks_before, forks_total = forks_right(config["model"], difficulty, n)
         forks_after = forks_right(config["model"], difficulty, n, str(final_adapter))[0]
         print(f"{run}: held-out forks right (teacher-forced) {forks_before}/{forks_total} before GRPO, "
               f"{forks_after}/{forks_total} at the end")
     else:
-        print(f"{run}: forks not scored (its model {config.get('model')!r} or {final_adapter} is not here)")
+        print(f"{run}: forks not scored (its model {config.get('model')!r} or {final_adapter} is not here, "
+              f"or its style is not ours)")
     return {"kind": kind, "run": str(run), "seed": config["seed"], "difficulty": evals[0]["difficulty"],
             "total": evals[0]["total"], "warm_start_solved": evals[0]["solved"], "best_solved": best["solved"],
             "best_step": best["step"], "final_solved": evals[-1]["solved"], "final_step": evals[-1]["step"],

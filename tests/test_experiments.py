@@ -42,6 +42,42 @@ def test_eval_policy_plays_the_held_out_mazes_like_the_trainer(tmp_path, warm_st
 
 
 @pytest.mark.slow
+def test_branch_points_shows_one_group_and_its_branches_as_the_trainer_plays_them(warm_start):
+    """experiments/branch_points.py: the group's members (where each went), then each point (a
+    cell its member passed), the returns of its moves and the target: the best move where one
+    branch returned most and more than 0, else none. A seed that is not a training maze: one line."""
+    import ast
+    import re
+
+    pool = env.TrainMazeStream("small", pool=4)
+    seed = pool.next().seed
+    command = [sys.executable, "experiments/branch_points.py", "--model", str(warm_start), "--train-pool", "4",
+               "--group-size", "2", "--max-turns", "6", "--points", "1"]
+    proc = subprocess.run(command + ["--maze-seed", str(seed)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()  # with vLLM's own log lines among them
+    assert [line for line in lines if line.startswith("maze ")][0].startswith(f"maze {seed}: ")
+    members = {int(m[1]): ast.literal_eval(m[2]) for m in
+               (re.match(r"member (\d+): .* cells (\[.*\])$", line) for line in lines) if m}
+    assert sorted(members) == [0, 1]
+    points = [re.match(r"point: member (\d+), turn (\d+), cell \((\d+), (\d+)\): returns (\{.*\}), target (\S+)$",
+                       line) for line in lines if line.startswith("point:")]
+    assert len(points) <= 1 and all(points)
+    for point in points:
+        member, turn, cell = int(point[1]), int(point[2]), (int(point[3]), int(point[4]))
+        assert members[member][turn] == cell  # the state that member was in at that turn
+        returns = ast.literal_eval(point[5])
+        assert returns and all(0 <= r <= 1 for r in returns.values())
+        best = max(returns.values())
+        expected = (next(m for m, r in returns.items() if r == best)
+                    if best > 0 and list(returns.values()).count(best) == 1 else "none")
+        assert point[6] == expected
+
+    bad = subprocess.run(command + ["--maze-seed", "7"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "no training maze with seed 7 among the first 4" in bad.stderr
+
+
+@pytest.mark.slow
 def test_diagnose_replays_the_greedy_policy_with_oracle_rules(tmp_path, tiny_model):
     from experiments.diagnose import VARIANTS, blocked
 

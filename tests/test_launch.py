@@ -139,7 +139,6 @@ meta.json not yet), on torchrun's first attempt only (tests/test_launch.py)."""
 import os, runpy, sys
 
 sys.path.insert(0, {root!r})
-import rollout  # noqa: F401  (first, as in train.py)
 import checkpoint
 
 seal = checkpoint.seal

@@ -192,7 +192,7 @@ def test_chat_episodes_parse_and_score():
     assert all(not e.solved and e.end_reason == "turn_limit" and e.invalid_actions == 3 for e in episodes)
 
 
-def test_an_episode_is_its_turns_read_the_same_way_by_engine_prompts_and_chat_messages():
+def test_an_episode_is_its_turns_read_the_same_way_by_engine_prompts_and_chat_messages(monkeypatch):
     """Prompts (token ids) and chat messages are both read off the Turn records, images only in
     the last k user turns; prefix(t) shares turns 0..t-1 and asks turn t anew, leaving the
     parent's turn t as it was."""
@@ -212,7 +212,12 @@ def test_an_episode_is_its_turns_read_the_same_way_by_engine_prompts_and_chat_me
     assert [m["content"] for m in messages[1::2]] == ["r0", "r1", "r2"]
     assert [[p["type"] for p in m["content"]] for m in messages[0::2]] == [["text"], ["text"], ["image_url", "text"]]
     assert [m["content"][-1]["text"] for m in messages[0::2]] == ["view 0", "view 1", "view 2"]
-    assert [len(m["content"]) for m in rollout.chat_messages(episode)[0::2]] == [2, 2, 2]
+    full = rollout.chat_messages(episode)
+    assert [len(m["content"]) for m in full[0::2]] == [2, 2, 2]
+    assert [m["content"][0]["image_url"]["url"] for m in full[0::2]] == [rollout.image_url(i) for i in images]
+    encoded = []  # a conversation resends every image each turn: each is encoded once, then reused
+    monkeypatch.setattr(rollout, "image_url", lambda image: encoded.append(image) or "data:fresh")
+    assert rollout.chat_messages(episode) == full and encoded == []
     branch = episode.prefix(2, sample_id=5, max_images=1)
     assert branch.turns[:2] == turns[:2] and branch.num_turns == 2 and not branch.turns[2].answered
     assert branch.next_prompt(1) == ([10, 20, 11, 21, 12, 7], images[2:])  # waiting for its reply 2
