@@ -220,8 +220,9 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("runs", type=Path, nargs="+")
     parser.add_argument("--target", type=float, default=0.9, help="solve rate for the time-to-target columns")
-    parser.add_argument("--record", default="", choices=["", "main", "long"],
-                        help="also add each run to docs/results/rl_lift.json as this kind")
+    parser.add_argument("--record", default="", choices=["", "main", "long", "control"],
+                        help="also add each run to docs/results/rl_lift.json as this kind (control: a run "
+                             "that isolates one change against main runs, not the recipe)")
     parser.add_argument("--command", default="", help="the command that made the runs (for --record)")
     parser.add_argument("--results", type=Path, default=RESULTS, help="the results file --record writes")
     args = parser.parse_args()

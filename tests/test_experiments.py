@@ -263,3 +263,38 @@ def test_gradient_probe_gradients_match_autograd_on_the_warm_start(warm_start):
     assert sets["fork"]["states"] == sum(s["kind"].startswith("fork") for s in states)
     assert sets["wrong_fork"]["states"] == sets["fork"]["states"] - sets["fork"]["greedy_right"]
     assert sets["all"]["kinds"]["sft"]["summed_cos_to_sft"] == pytest.approx(1.0)
+
+
+def test_average_adapters_is_the_exact_mean_of_their_deltas_at_a_rank_vllm_takes(tmp_path):
+    """experiments/average_adapters.py: three rank-4 adapters become one rank-16 adapter (12 padded
+    to a vLLM rank) whose output through PEFT is the mean of the three adapted outputs; adapters of
+    different ranks are refused in one line."""
+    import torch
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    from experiments.average_adapters import average
+
+    def base():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(6, 5))
+
+    x = torch.randn(3, 6)
+    paths, outputs = [], []
+    for i, r in enumerate((4, 4, 4, 8)):
+        model = get_peft_model(base(), LoraConfig(r=r, lora_alpha=3 * r, target_modules=["0"]))
+        torch.manual_seed(i + 1)
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.data.normal_()
+        model.save_pretrained(tmp_path / f"a{i}")
+        (tmp_path / f"a{i}" / "base_model.json").write_text('{"fingerprint": "x"}')
+        paths.append(tmp_path / f"a{i}")
+        with torch.no_grad():
+            outputs.append(model(x))
+    assert average(paths[:3], tmp_path / "mean") == 16
+    averaged = PeftModel.from_pretrained(base(), tmp_path / "mean")
+    with torch.no_grad():
+        assert torch.allclose(averaged(x), sum(outputs[:3]) / 3, atol=1e-5)
+    assert (tmp_path / "mean" / "base_model.json").exists()
+    with pytest.raises(SystemExit, match="differ in rank"):
+        average(paths[2:], tmp_path / "bad")

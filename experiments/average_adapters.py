@@ -1,0 +1,92 @@
+"""The exact average of several LoRA adapters of one run, as one adapter vLLM and PEFT can load.
+
+    python experiments/average_adapters.py --out runs/avg runs/main/grpo/adapters/step_100 \
+        runs/main/grpo/adapters/step_150
+    python experiments/eval_policy.py --model runs/main/sft/model --adapter runs/avg
+
+Why: between two evaluations of a GRPO run a quarter of the held-out mazes flip (solved ->
+failed and back) while the count moves by two or three; the greedy policy sits on near-ties that
+each update's noise tips one way or the other. Averaging the last few adapters (Polyak / tail
+averaging) asks whether the mean policy is better than any one of them.
+
+A LoRA delta is scale * B @ A. The mean of k deltas, (scale / k) * sum_i B_i @ A_i, is itself a
+LoRA of rank k * r: A = the A_i stacked (rows), B = the B_i side by side (columns), divided by k.
+So the average is exact (not the mean of the A's times the mean of the B's). vLLM takes only some
+ranks (rollout.VLLM_LORA_RANKS), so the rank is padded with zero rows and columns up to the next
+one, and lora_alpha is set so that PEFT's scale (alpha / r, or alpha / sqrt(r) with rsLoRA) stays
+the adapters' own.
+"""
+
+import argparse
+import json
+import math
+import shutil
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import checkpoint  # noqa: E402
+import rollout  # noqa: E402
+from experiments.eval_policy import adapter_config  # noqa: E402
+
+WEIGHTS = "adapter_model.safetensors"
+BASE_FILE = checkpoint.BASE_MODEL_FILE  # the base an export was trained on
+
+
+def average(adapters: list[Path], out: Path) -> int:
+    """Write the exact mean of `adapters` (same base, rank, alpha and modules) to `out`; returns its
+    rank. Refuses adapters that do not match, in one line."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    configs = [adapter_config(str(a)) for a in adapters]
+    shape = [(c["r"], c["lora_alpha"], c.get("use_rslora", False), str(c["target_modules"])) for c in configs]
+    if len(set(shape)) != 1:
+        raise SystemExit(f"adapters differ in rank, alpha, rsLoRA or modules: {shape}")
+    bases = {(a / BASE_FILE).read_text() if (a / BASE_FILE).exists() else None for a in adapters}
+    if len(bases) != 1:
+        raise SystemExit("adapters were trained on different bases (their base_model.json differ)")
+    r, alpha, rslora, _ = shape[0]
+    k = len(adapters)
+    rank = next(n for n in rollout.VLLM_LORA_RANKS if n >= k * r)
+    weights = [load_file(str(a / WEIGHTS)) for a in adapters]
+    if any(w.keys() != weights[0].keys() for w in weights):
+        raise SystemExit("adapters differ in their tensors")
+    mean = {}
+    for name in weights[0]:
+        if ".lora_A." in name:  # (r, in) each -> (rank, in)
+            stacked = torch.cat([w[name] for w in weights], dim=0)
+            pad = stacked.new_zeros(rank - k * r, stacked.shape[1])
+            mean[name] = torch.cat([stacked, pad], dim=0).contiguous()
+        elif ".lora_B." in name:  # (out, r) each -> (out, rank), 1/k of each
+            stacked = torch.cat([w[name] for w in weights], dim=1) / k
+            pad = stacked.new_zeros(stacked.shape[0], rank - k * r)
+            mean[name] = torch.cat([stacked, pad], dim=1).contiguous()
+        else:
+            raise SystemExit(f"{name}: only LoRA A and B tensors can be averaged this way")
+    # PEFT's scale is alpha / r (alpha / sqrt(r) with rsLoRA): keep the adapters' own at the new rank
+    new_alpha = alpha * (math.sqrt(rank / r) if rslora else rank / r)
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / (WEIGHTS + ".tmp")
+    save_file(mean, str(tmp))
+    tmp.replace(out / WEIGHTS)
+    config = dict(configs[0], r=rank, lora_alpha=new_alpha, rank_pattern={}, alpha_pattern={})
+    checkpoint.atomic_write_text(out / "adapter_config.json", json.dumps(config, indent=2))
+    if (adapters[0] / BASE_FILE).exists():
+        shutil.copyfile(adapters[0] / BASE_FILE, out / BASE_FILE)
+    return rank
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("adapters", type=Path, nargs="+", help="PEFT LoRA directories of one run (its exports)")
+    parser.add_argument("--out", type=Path, required=True, help="where the averaged adapter goes")
+    args = parser.parse_args()
+    rank = average(args.adapters, args.out)
+    print(f"{args.out}: the mean of {len(args.adapters)} adapters, rank {rank}")
+
+
+if __name__ == "__main__":
+    main()
