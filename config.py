@@ -32,10 +32,14 @@ def setting(default, help: str, *, meaningful: bool = False):
     return dataclasses.field(default=default, metadata={"help": help, "meaningful": meaningful})
 
 
-# Model-dependent defaults (0 in the fields below): the tiny model of tiny_model.py and the SFT
+# Model-dependent defaults (0 in the fields below, -1 for the branch points): the tiny model of tiny_model.py and the SFT
 # warm starts built from it get the main job's values, a real Qwen3-VL the published recipe's.
 TINY_HIDDEN_SIZE = 1024  # a language model narrower than this is a tiny one (the tiny model's: 128)
-LORA_RANK = {"tiny": 8, "real": 32}
+LORA_RANK = {"tiny": 32, "real": 32}  # tiny: 8 until 2026-12-03 (step 1a's ceiling table chose 32)
+# Branch rollouts lift the tiny main job (docs/experiments.md, 2026-12-03: +6.8 points against a
+# branch-free control's +1.0 on the same warm starts); they are untried on a real model and a GPU,
+# so a real Qwen3-VL keeps the published recipe's plain GRPO unless asked.
+BRANCH_POINTS = {"tiny": 2, "real": 0}
 MAX_NEW_TOKENS = {"tiny": 8, "real": 32}  # a tiny-model reply is one move; a real model's is a sentence
 
 
@@ -63,7 +67,7 @@ class TaskConfig:
 @dataclass
 class GRPOConfig:
     _argument_group_name = "GRPO (rollouts, rewards and the loss)"
-    steps: int = setting(300, "training steps (one rollout batch and its update each)")
+    steps: int = setting(150, "training steps (one rollout batch and its update each)")
     prompts_per_step: int = setting(4, "mazes per step over all ranks; each is played group_size times",
                                     meaningful=True)
     group_size: int = setting(8, "episodes per maze: the group whose mean reward is the baseline", meaningful=True)
@@ -82,11 +86,14 @@ class GRPOConfig:
                            meaningful=True)
     tis_cap: float = setting(2.0, "truncated importance sampling against the engine's logprobs; 0: off",
                              meaningful=True)
-    branch_points_per_group: int = setting(0, "branch rollouts (branch.py): per group, up to this many forks its "
-                                              "members passed are replayed with every open move forced and the "
-                                              "policy finishing each; the best branch's move becomes a target, "
-                                              "L = -w log pi_T(a* | s). 0: off", meaningful=True)
-    branch_weight: float = setting(1.0, "w, the advantage on a branch target's reply tokens", meaningful=True)
+    branch_points_per_group: int = setting(-1, "branch rollouts (branch.py): per group, up to this many forks its "
+                                               "members passed are replayed with every open move forced and the "
+                                               "policy finishing each; the best branch's move becomes a target, "
+                                               "L = -w log pi_T(a* | s). 0: off; -1: "
+                                               f"{BRANCH_POINTS['tiny']} for the tiny model, {BRANCH_POINTS['real']} "
+                                               "for a real Qwen3-VL", meaningful=True)
+    branch_weight: float = setting(8.0, "w, the advantage on a branch target's reply tokens (8: a group's worth)",
+                                   meaningful=True)
 
 
 @dataclass
@@ -184,8 +191,8 @@ class Config(*reversed(SECTIONS)):
             problems.append("loss_aggregation must be token-mean or seq-mean")
         if self.lr_schedule not in ("constant", "cosine"):
             problems.append("lr_schedule must be constant or cosine")
-        if self.branch_points_per_group < 0 or self.branch_weight <= 0:
-            problems.append("branch_points_per_group must be >= 0 and branch_weight > 0")
+        if self.branch_points_per_group < -1 or self.branch_weight <= 0:
+            problems.append("branch_points_per_group must be >= 0 (-1: the model's default) and branch_weight > 0")
         if self.tis_cap < 0 or self.train_pool < 0 or self.sampled_eval_samples < 0 or self.max_new_tokens < 0:
             problems.append("tis_cap, train_pool, sampled_eval_samples and max_new_tokens must be >= 0")
         for name in ("steps", "ppo_epochs", "max_turns", "micro_batch_size", "eval_interval",
@@ -202,7 +209,7 @@ class Config(*reversed(SECTIONS)):
             raise SystemExit("bad config: " + "; ".join(problems))
 
     def resolve_model_defaults(self, model_path: str):
-        """Fill the model-dependent defaults (the fields left at 0) from the model's own config:
+        """Fill the model-dependent defaults (the fields left at 0, the branch points at -1) from the model's own config:
         the tiny model's values for a language model narrower than TINY_HIDDEN_SIZE, else a real
         Qwen3-VL's. Before the run directory is opened: config.json and checkpoints hold the values used."""
         from transformers import AutoConfig
@@ -211,6 +218,8 @@ class Config(*reversed(SECTIONS)):
         self.lora_rank = self.lora_rank or LORA_RANK[kind]
         self.lora_alpha = self.lora_alpha or 2 * self.lora_rank
         self.max_new_tokens = self.max_new_tokens or MAX_NEW_TOKENS[kind]
+        if self.branch_points_per_group == -1:
+            self.branch_points_per_group = BRANCH_POINTS[kind]
 
 
 def meaningful_fields() -> list[str]:

@@ -184,7 +184,7 @@ def main(cfg: Config):
             visgym.EnvSettings.of(cfg), samples_per_maze=cfg.group_size, max_new_tokens=cfg.max_new_tokens,
             max_model_len=cfg.max_model_len, temperature=cfg.temperature, seed=cfg.seed, lora_request=lora_request,
             max_images=cfg.max_images or None, desc=f"rollout@{step + 1}", progress=cfg.progress and rank == 0)
-        # and the forks the groups passed, replayed with every open move (branch.py; off by default)
+        # and the forks the groups passed, replayed with every open move (branch.py; on by default for the tiny model)
         branch_experiences, branch_stats = branch.branch_step(cfg, engine, chat, episodes, lora_request)
         sleeper.sleep(engine)  # time-slicing: the engine gives the GPU to the trainer (--engine-sleep)
         timing["rollout_s"] = time.time() - t0

@@ -299,8 +299,10 @@ def train_args(quick: bool) -> list:
     else:
         size = ["--prompts-per-step", "4", "--group-size", "8", "--max-turns", "8", "--max-new-tokens", "32",
                 "--steps", "5", "--eval-mazes", "8"]
+    # rank 8 and no branch rollouts: the settings bench/README.md's tables were measured at (the
+    # recipe's branches and rank 32 since 2026-12-03 are costed by bench/visit_cost.py)
     return size + ["--eval-interval", "2", "--ckpt-interval", "2", "--export-interval", "2", "--progress", "false",
-                   "--resume", "none"]
+                   "--resume", "none", "--lora-rank", "8", "--branch-points-per-group", "0"]
 
 
 def run_train(nproc: int, args, out_dir: Path) -> dict:

@@ -61,7 +61,9 @@ def grpo_seconds_per_step(code: Path, model: str, steps: int, args: list, out: P
 
 
 def measure(code: Path, args) -> dict:
-    grpo = ["--lora-rank", "8", "--prompts-per-step", str(args.prompts), "--group-size", str(args.group),
+    # plain GRPO first (branches off: on by default for the tiny model since 2026-12-03), then with K
+    grpo = ["--lora-rank", "8", "--branch-points-per-group", "0",
+            "--prompts-per-step", str(args.prompts), "--group-size", str(args.group),
             "--max-new-tokens", "8", "--step-adv-weight", "1", "--micro-batch-size", "16", "--lr", "1e-3",
             "--temperature", str(args.temperature)]
     with tempfile.TemporaryDirectory() as tmp:

@@ -42,9 +42,9 @@ def test_flags_with_dashes_or_underscores_and_booleans():
 
 def test_the_defaults_are_the_main_jobs_recipe():
     """launch/run.sh passes only paths, the seed and the maze size: what it ran with its 18 flags
-    before is now the Config's own defaults (the tiny model's LoRA rank and reply length from
-    resolve_model_defaults)."""
-    recipe = config.parse_config(["--steps", "300", "--prompts-per-step", "4", "--group-size", "8",
+    before is now the Config's own defaults (the tiny model's LoRA rank, reply length and branch
+    points from resolve_model_defaults); since 2026-12-03 with branch rollouts, in 150 steps."""
+    recipe = config.parse_config(["--steps", "150", "--branch-weight", "8", "--prompts-per-step", "4", "--group-size", "8",
                                   "--temperature", "0.5", "--lr", "1e-3", "--warmup-steps", "10",
                                   "--step-adv-weight", "1", "--micro-batch-size", "16", "--eval-interval", "25",
                                   "--sampled-eval-samples", "8", "--ckpt-interval", "50", "--export-interval", "50"])
@@ -58,7 +58,7 @@ def test_the_defaults_are_the_main_jobs_recipe():
 def test_model_dependent_defaults(tiny_model, tmp_path):
     cfg = config.Config()
     cfg.resolve_model_defaults(str(tiny_model))
-    assert (cfg.lora_rank, cfg.lora_alpha, cfg.max_new_tokens) == (8, 16, 8)
+    assert (cfg.lora_rank, cfg.lora_alpha, cfg.max_new_tokens, cfg.branch_points_per_group) == (32, 64, 8, 2)
     real = tmp_path / "real"
     real.mkdir()  # a config as wide as a real Qwen3-VL's language model
     conf = json.loads((Path(tiny_model) / "config.json").read_text())
@@ -67,6 +67,10 @@ def test_model_dependent_defaults(tiny_model, tmp_path):
     cfg = config.Config(max_new_tokens=12)
     cfg.resolve_model_defaults(str(real))
     assert (cfg.lora_rank, cfg.lora_alpha, cfg.max_new_tokens) == (32, 64, 12)  # a value given stays
+    assert cfg.branch_points_per_group == 0  # a real model: the published recipe's plain GRPO
+    cfg = config.Config(branch_points_per_group=0)
+    cfg.resolve_model_defaults(str(tiny_model))
+    assert cfg.branch_points_per_group == 0  # off when asked, on the tiny model too
 
 
 def test_a_bad_value_is_one_bad_config_line():
