@@ -68,6 +68,7 @@ def average(adapters: list[Path], out: Path) -> int:
             raise SystemExit(f"{name}: only LoRA A and B tensors can be averaged this way")
     # PEFT's scale is alpha / r (alpha / sqrt(r) with rsLoRA): keep the adapters' own at the new rank
     new_alpha = alpha * (math.sqrt(rank / r) if rslora else rank / r)
+    new_alpha = int(new_alpha) if float(new_alpha).is_integer() else new_alpha  # an int where it is one
     out.mkdir(parents=True, exist_ok=True)
     tmp = out / (WEIGHTS + ".tmp")
     save_file(mean, str(tmp))

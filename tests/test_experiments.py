@@ -296,5 +296,6 @@ def test_average_adapters_is_the_exact_mean_of_their_deltas_at_a_rank_vllm_takes
     with torch.no_grad():
         assert torch.allclose(averaged(x), sum(outputs[:3]) / 3, atol=1e-5)
     assert (tmp_path / "mean" / "base_model.json").exists()
+    assert json.loads((tmp_path / "mean" / "adapter_config.json").read_text())["lora_alpha"] == 48  # 3 / 4 * 16
     with pytest.raises(SystemExit, match="differ in rank"):
         average(paths[2:], tmp_path / "bad")
