@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The main job, end to end on one machine:
 #   set up .venv -> build the tiny Qwen3-VL (its vision tower pretrained to see maze cells)
-#   -> SFT warm start (sft.py) -> GRPO with step-level advantages (train.py) -> final eval
+#   -> SFT warm start (sft.py) -> GRPO with step advantages and branch rollouts (train.py) -> final eval
 #   -> report (solve-rate curve PNG, a replayed episode GIF, before/after table).
 #
 #   bash launch/run.sh                                  # 7x7 mazes, seed 0, into runs/main
