@@ -32,8 +32,9 @@ def setting(default, help: str, *, meaningful: bool = False):
     return dataclasses.field(default=default, metadata={"help": help, "meaningful": meaningful})
 
 
-# Model-dependent defaults (0 in the fields below, -1 for the branch points): the tiny model of tiny_model.py and the SFT
-# warm starts built from it get the main job's values, a real Qwen3-VL the published recipe's.
+# Model-dependent defaults (0 in the fields below, -1 for the branch points): the tiny model of
+# tiny_model.py and the SFT warm starts built from it get the main job's values, a real Qwen3-VL
+# the published recipe's.
 TINY_HIDDEN_SIZE = 1024  # a language model narrower than this is a tiny one (the tiny model's: 128)
 LORA_RANK = {"tiny": 32, "real": 32}  # tiny: 8 until 2026-12-03 (step 1a's ceiling table chose 32)
 # Branch rollouts lift the tiny main job (docs/experiments.md, 2026-12-03: +6.8 points against a
@@ -209,9 +210,9 @@ class Config(*reversed(SECTIONS)):
             raise SystemExit("bad config: " + "; ".join(problems))
 
     def resolve_model_defaults(self, model_path: str):
-        """Fill the model-dependent defaults (the fields left at 0, the branch points at -1) from the model's own config:
-        the tiny model's values for a language model narrower than TINY_HIDDEN_SIZE, else a real
-        Qwen3-VL's. Before the run directory is opened: config.json and checkpoints hold the values used."""
+        """Fill the model-dependent defaults (the fields left at 0, the branch points at -1) from the
+        model's own config: the tiny model's values for a language model narrower than
+        TINY_HIDDEN_SIZE, else a real Qwen3-VL's. Before the run directory is opened: config.json and checkpoints hold the values used."""
         from transformers import AutoConfig
 
         kind = "tiny" if AutoConfig.from_pretrained(model_path).text_config.hidden_size < TINY_HIDDEN_SIZE else "real"

@@ -5,7 +5,7 @@
     python experiments/eval_policy.py --model runs/main/sft/model --adapter runs/avg
 
 Why: between two evaluations of a GRPO run a quarter of the held-out mazes flip (solved ->
-failed and back) while the count moves by two or three; the greedy policy sits on near-ties that
+failed and back) while the count moves by a few; the greedy policy sits on near-ties that
 each update's noise tips one way or the other. Averaging the last few adapters (Polyak / tail
 averaging) asks whether the mean policy is better than any one of them.
 
@@ -50,7 +50,9 @@ def average(adapters: list[Path], out: Path) -> int:
         raise SystemExit("adapters were trained on different bases (their base_model.json differ)")
     r, alpha, rslora, _ = shape[0]
     k = len(adapters)
-    rank = next(n for n in rollout.VLLM_LORA_RANKS if n >= k * r)
+    rank = next((n for n in rollout.VLLM_LORA_RANKS if n >= k * r), None)
+    if rank is None:
+        raise SystemExit(f"{k} adapters of rank {r} make rank {k * r}: more than vLLM takes")
     weights = [load_file(str(a / WEIGHTS)) for a in adapters]
     if any(w.keys() != weights[0].keys() for w in weights):
         raise SystemExit("adapters differ in their tensors")
@@ -69,14 +71,17 @@ def average(adapters: list[Path], out: Path) -> int:
     # PEFT's scale is alpha / r (alpha / sqrt(r) with rsLoRA): keep the adapters' own at the new rank
     new_alpha = alpha * (math.sqrt(rank / r) if rslora else rank / r)
     new_alpha = int(new_alpha) if float(new_alpha).is_integer() else new_alpha  # an int where it is one
-    out.mkdir(parents=True, exist_ok=True)
-    tmp = out / (WEIGHTS + ".tmp")
-    save_file(mean, str(tmp))
-    tmp.replace(out / WEIGHTS)
+    # the whole directory at once, as the trainer writes its exports (checkpoint.publish_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp")
+    checkpoint.remove_tmp(tmp)
+    tmp.mkdir()
+    save_file(mean, str(tmp / WEIGHTS))
     config = dict(configs[0], r=rank, lora_alpha=new_alpha, rank_pattern={}, alpha_pattern={})
-    checkpoint.atomic_write_text(out / "adapter_config.json", json.dumps(config, indent=2))
+    (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2))
     if (adapters[0] / BASE_FILE).exists():
-        shutil.copyfile(adapters[0] / BASE_FILE, out / BASE_FILE)
+        shutil.copyfile(adapters[0] / BASE_FILE, tmp / BASE_FILE)
+    checkpoint.publish_dir(tmp, out)
     return rank
 
 
