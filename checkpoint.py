@@ -19,6 +19,7 @@ import hashlib
 import json
 import os
 import random
+import re
 import shutil
 import uuid
 from pathlib import Path
@@ -26,6 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 import config
@@ -35,13 +37,36 @@ import distributed
 BASE_MODEL_FILE = "base_model.json"
 
 
-class WriteError(Exception):
-    """A file that matters could not be written (disk full, read-only, ...); nothing was published."""
+class WriteError(OSError):
+    """A file that matters could not be written (disk full, a quota, read-only, ...); nothing was
+    published. Its message is the one line a user sees (train.py stops with it): what, where,
+    why, the free space there, and what was kept."""
+
+
+def write_error(what: str, path: Path, error: Exception, kept: str) -> WriteError:
+    reason = getattr(error, "strerror", None)
+    # safetensors (Rust) names the OS error inside its own text: "... (os error 28)", "code: 28, ..."
+    code = re.search(r"os error (\d+)|code: (\d+)", str(error))
+    if not reason and code:
+        reason = os.strerror(int(code.group(1) or code.group(2)))
+    reason = reason or (str(error).strip().splitlines() or [type(error).__name__])[0]
+    return WriteError(f"{what} {path} not written ({reason}; {free_space(path)}); {kept}")
+
+
+def free_space(path: Path) -> str:
+    """'N MB free there' for the filesystem that holds `path` (or its nearest existing parent)."""
+    for place in (path, *path.parents):
+        try:
+            return f"{shutil.disk_usage(place).free / 2**20:.0f} MB free there"
+        except OSError:
+            continue
+    return "free space unknown"
 
 
 # ----------------------------------------------------------------------------- atomic files
 
 def atomic_write_text(path: Path, text: str):
+    """Write `path` whole or not at all (temp file, fsync, rename); WriteError if the disk refuses."""
     tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
     try:
         with open(tmp, "w") as f:
@@ -49,9 +74,11 @@ def atomic_write_text(path: Path, text: str):
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except OSError:
+    except OSError as e:
         tmp.unlink(missing_ok=True)
-        raise
+        if isinstance(e, WriteError):
+            raise
+        raise write_error("file", path, e, "the previous version, if any, is untouched") from e
 
 
 def fsync_path(path: Path):
@@ -186,9 +213,9 @@ def write_adapter(model, state: dict, final_dir: Path, base_model: dict):
         tmp.mkdir()
         write_adapter_files(model, state, tmp, base_model)
         publish_dir(tmp, final_dir)
-    except OSError as e:
+    except (OSError, SafetensorError) as e:  # safetensors reports a full disk as its own error
         remove_tmp(tmp)
-        raise WriteError(f"adapter {final_dir} not written ({e.strerror or e}); the previous one is untouched") from e
+        raise write_error("adapter", final_dir, e, "the previous one is untouched") from e
 
 
 def load_lora_state(model, adapter_file: Path):
@@ -240,10 +267,10 @@ def write_checkpoint(out: Path, step: int, model, lora_state: dict, trainer_stat
         torch.save(trainer_state, tmp / "trainer_state.pt")
         seal(tmp, meta)
         return tmp
-    except (OSError, RuntimeError) as e:  # torch.save reports a failed write as a RuntimeError
+    except (OSError, RuntimeError, SafetensorError) as e:  # torch.save reports a failed write as a RuntimeError
         remove_tmp(tmp)
-        reason = getattr(e, "strerror", None) or str(e).splitlines()[0]
-        raise WriteError(f"checkpoint step_{step} not written ({reason}); the previous one stays the newest") from e
+        raise write_error(f"checkpoint step_{step}", out / "checkpoints", e,
+                          "the previous one stays the newest") from e
 
 
 def load(path: Path, cfg, model, optimizer, scheduler, stream, log=print) -> tuple[int, float]:
@@ -312,8 +339,12 @@ def publish(out: Path, tmp: Path, step: int, keep: int):
     """Rename the sealed temp dir to step_<N>, then point `latest` at it (last: it only ever
     names a complete dir), then drop old ones."""
     root = out / "checkpoints"
-    publish_dir(tmp, root / f"step_{step}")
-    atomic_write_text(root / "latest", f"step_{step}")
+    try:
+        publish_dir(tmp, root / f"step_{step}")
+        atomic_write_text(root / "latest", f"step_{step}")
+    except OSError as e:
+        remove_tmp(tmp)
+        raise write_error(f"checkpoint step_{step}", root, e, f"`latest` still names the previous one") from e
     prune(root, "step_", keep, current=step)
 
 

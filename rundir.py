@@ -18,6 +18,7 @@ import dataclasses
 import json
 import os
 import shutil
+import signal
 import socket
 import time
 import uuid
@@ -115,10 +116,14 @@ class RunLog:
     def step(self, step: int, metrics: dict, **extra):
         """One step's line (metrics to 6 significant digits, then `extra` as is) and its scalars."""
         line = {"step": step, **{k: float(f"{v:.6g}") for k, v in metrics.items()}, **extra}
-        with open(self.path, "a") as f:
-            f.write(json.dumps(line) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+        try:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(line) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as e:  # a torn last line is dropped on resume (metrics_step)
+            raise checkpoint.write_error(f"the metrics line of step {step} in", self.path, e,
+                                         "the lines before it are kept; the step is redone on resume") from e
         for k, v in metrics.items():
             self.tensorboard.add_scalar(k, v, step)
         self.tensorboard.flush()
@@ -138,7 +143,9 @@ class RunLog:
 RUN_FILE = "run.json"  # which run this directory holds: {run_id, started, host, launcher}
 LOCK_FILE = "trainer.lock"  # the trainer that holds the directory: {host, pid, ...}
 # What a run leaves in its directory (shared/ is the LoRA sync's scratch space, not history).
-RUN_FILES = ("metrics.jsonl", "eval", "checkpoints", "adapters", "config.json", "summary.json", "tb", RUN_FILE)
+STOPPED_FILE = "stopped.json"  # a run stopped by a signal: which one, at which step (launch/slurm.sbatch requeues)
+RUN_FILES = ("metrics.jsonl", "eval", "checkpoints", "adapters", "config.json", "summary.json", "tb", RUN_FILE,
+             STOPPED_FILE)
 
 
 def run_record(out: Path) -> dict | None:
@@ -240,6 +247,7 @@ def open_run(out: Path, cfg, base: dict, log=print) -> tuple[str, dict]:
     if dist.get_rank() == 0:
         try:
             result = _open_run(out, cfg, base, log)
+            (out / STOPPED_FILE).unlink(missing_ok=True)  # this attempt goes on from where a stopped one left off
         except SystemExit as e:
             error = str(e)
     error, result = distributed.broadcast_object((error, result))
@@ -258,11 +266,24 @@ def _open_run(out: Path, cfg, base: dict, log) -> tuple[str, dict]:
         return str(ckpt), {**run, "base": base}
     if ckpt is None and not restart:
         used = used_run_files(out)
+        if used and cfg.resume == "latest" and run is not None and is_same_run(out, cfg, base, run):
+            # the same command again (a requeued job, a restarted pod, a rerun) before its first
+            # checkpoint: it starts over in place, as the same run
+            log(f"{out} holds this run (the same settings and base) with no checkpoint yet: starting it over in place")
+            return "", {**run, "base": base}
         if used and not cfg.archive_old_run:
-            why = "--resume none" if cfg.resume == "none" else "there is no checkpoint to resume from"
-            raise SystemExit(f"{out} holds another run ({', '.join(used)}) and {why}: --resume latest continues "
-                             "it, --archive-old-run true moves it into "
-                             f"{out / checkpoint.ARCHIVE_DIR}/ first, or pick a new --out-dir")
+            if cfg.resume == "none":
+                why = "--resume none"
+                # advise --resume latest only where it would not be refused in turn
+                resumable = any(checkpoint.verify(p) is None for p in (out / "checkpoints").glob("step_*")) or \
+                    (run is not None and is_same_run(out, cfg, base, run))
+                why += ": --resume latest continues it," if resumable else ":"
+            else:
+                why = "there is no checkpoint to resume from" + (
+                    f" and its settings or base differ from these ({'; '.join(run_differences(out, cfg, base, run))}):"
+                    if run else ":")
+            raise SystemExit(f"{out} holds another run ({', '.join(used)}) and {why} --archive-old-run true moves "
+                             f"it into {out / checkpoint.ARCHIVE_DIR}/ first, or pick a new --out-dir")
         if used:
             log(f"moved the earlier run's files ({', '.join(used)}) to {archive_run(out)}")
         run = None
@@ -272,6 +293,24 @@ def _open_run(out: Path, cfg, base: dict, log) -> tuple[str, dict]:
                **({"adopted": True} if ckpt is not None else {})}
         checkpoint.atomic_write_text(out / RUN_FILE, json.dumps(run, indent=1))
     return str(ckpt or ""), {**run, "base": base}  # the base this process plays (resume may change it)
+
+
+def run_differences(out: Path, cfg, base: dict, run: dict) -> list[str]:
+    """What makes this command another run than the one `out` holds: its meaningful settings
+    (config.json, checkpoint.config_changes) and its base model (path and fingerprint)."""
+    try:
+        saved = json.loads((out / "config.json").read_text())
+    except (FileNotFoundError, ValueError):
+        return ["no readable config.json"]
+    current = dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else vars(cfg)
+    differences = checkpoint.config_changes(saved, current)
+    if run.get("base") != base:
+        differences.append(f"base: {run.get('base')} -> {base}")
+    return differences
+
+
+def is_same_run(out: Path, cfg, base: dict, run: dict) -> bool:
+    return not run_differences(out, cfg, base, run)
 
 
 # The lock: a file created with O_EXCL, which is atomic on local disks, NFS (v3 and later) and
@@ -395,3 +434,44 @@ def release_lock(path: Path, pid: int):
             path.unlink()
     except (OSError, ValueError):
         pass
+
+
+# ----------------------------------------------------------------------------- preemption
+#
+# Slurm, Kubernetes and the like take a node away the same way: SIGTERM, a grace period (30 s by
+# default on both), then SIGKILL; then the requeued job or restarted pod runs the same command.
+# So a signal is a request to stop at the next safe point, not death: the handler only notes it,
+# and the loop asks between steps, and once more after the rollouts, where the step in hand has
+# changed nothing yet and is given up. The run then checkpoints its last completed step, writes
+# <out>/stopped.json and exits with 128 + the signal's number, the status of a process the signal
+# killed, which a scheduler reads as "terminated", not "failed".
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)  # SIGUSR1: Slurm's --signal=USR1@<s>
+
+
+class StopRequest:
+    """Turns SIGTERM, SIGINT and SIGUSR1 into a request that the training loop polls. A second
+    Ctrl-C (SIGINT) stops at once, as Ctrl-C does elsewhere; repeats of the others (Slurm signals
+    every process of the step, torchrun then forwards the same signal) change nothing."""
+
+    def __init__(self):
+        self.signum, self.received_at = 0, None
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, self._note)
+
+    def _note(self, signum, frame):
+        if signum == signal.SIGINT and self.signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        if not self.signum:
+            self.signum, self.received_at = signum, time.time()
+
+    def pending(self) -> int:
+        """The signal any rank received (0: none). Collective: every rank must ask at the same point,
+        so that all of them stop at the same step."""
+        return int(distributed.max_over_ranks(self.signum))
+
+
+def write_stopped(out: Path, signum: int, step: int, abandoned: bool):
+    checkpoint.atomic_write_text(out / STOPPED_FILE, json.dumps(
+        {"signal": signal.Signals(signum).name, "checkpoint_step": step, "step_in_hand_abandoned": abandoned,
+         "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}))

@@ -35,6 +35,7 @@ log pi, which is exactly the policy gradient.
 """
 
 import gc
+import signal
 import time
 from pathlib import Path
 
@@ -170,13 +171,18 @@ def main(cfg: Config):
         evaluate(cfg, engine, chat, lora_request, start_step, out, run)
 
     per_rank, run_start = cfg.prompts_per_step // world, time.time()
+    stop, stopped, abandoned = rundir.StopRequest(), 0, False  # SIGTERM and the like: rundir.py
+    saved_step = start_step if ckpt else None
     bar = tqdm(range(start_step, cfg.steps), desc="train", unit="step", initial=start_step, total=cfg.steps,
                disable=not (cfg.progress and rank == 0))
     for step in bar:
         step_start, timing, metrics = time.time(), {}, {}
+        if stopped := stop.pending():  # a stop asked for during the last step (or the start-up)
+            break
 
         # 1. rollouts: every rank draws the same mazes from the stream and plays its share
         t0 = time.time()
+        stream_at_step = stream.state_dict()
         mazes = [stream.next() for _ in range(cfg.prompts_per_step)]
         mine = list(range(rank * per_rank, (rank + 1) * per_rank))
         episodes = rollout.play_episodes(
@@ -188,6 +194,10 @@ def main(cfg: Config):
         branch_experiences, branch_stats = branch.branch_step(cfg, engine, chat, episodes, lora_request)
         sleeper.sleep(engine)  # time-slicing: the engine gives the GPU to the trainer (--engine-sleep)
         timing["rollout_s"] = time.time() - t0
+        if stopped := stop.pending():  # give up the step in hand: so far it changed nothing but the stream
+            stream.load_state_dict(stream_at_step)
+            abandoned = True
+            break
         metrics.update(rollout.rollout_metrics(episodes))
 
         # 2. advantages: group-normalised over all ranks, plus GiGPO's step-level term, per token
@@ -218,6 +228,7 @@ def main(cfg: Config):
         hours += (time.time() - step_start) * world / 3600
         ckpt_tmp = None
         if done % cfg.ckpt_interval == 0 or done == cfg.steps:
+            saved_step = done
             ckpt_tmp = checkpoint.save(cfg, model, optimizer, scheduler, lora_state, done, stream, hours, out, base)
         if rank == 0 and (done % cfg.export_interval == 0 or done == cfg.steps):
             checkpoint.write_adapter(model, lora_state, out / "adapters" / f"step_{done}", base)
@@ -232,7 +243,18 @@ def main(cfg: Config):
         guard.check(done, metrics["mismatch_abs_mean"])  # the same reduced figure on every rank
 
     bar.close()
-    if rank == 0:
+    if stopped:  # the last completed step is `step`: checkpointed, unless it already is
+        if saved_step != step:
+            ckpt_tmp = checkpoint.save(cfg, model, optimizer, scheduler, lora_state, step, stream, hours, out, base)
+            if rank == 0:
+                checkpoint.publish(out, ckpt_tmp, step, cfg.keep_checkpoints)
+        if rank == 0:
+            rundir.write_stopped(out, stopped, step, abandoned)
+        log0(f"stopped by {signal.Signals(stopped).name}: checkpoint step_{step} is the last completed step"
+             + (f" (step {step + 1} was under way and is given up)" if abandoned else "")
+             + (f", {time.time() - stop.received_at:.1f}s after the signal" if stop.received_at else "")
+             + "; the same command resumes the run from there")
+    elif rank == 0:
         log.finish(cfg.steps, time.time() - run_start, hours, on_gpu, log=log0)
     # Shut down in order: all ranks done, then the engine (whose teardown may already take the
     # process group down with it), then the group if it is still there.
@@ -241,7 +263,12 @@ def main(cfg: Config):
     gc.collect()
     if dist.is_initialized():
         dist.destroy_process_group()
+    if stopped:
+        raise SystemExit(128 + stopped)  # what a process that the signal killed reports: "terminated"
 
 
 if __name__ == "__main__":
-    main(parse_config(description=__doc__))
+    try:
+        main(parse_config(description=__doc__))
+    except checkpoint.WriteError as e:  # a full disk, a quota, a read-only mount: one line, nothing lost
+        raise SystemExit(f"stopped: {e}")

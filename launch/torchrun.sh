@@ -17,6 +17,10 @@
 #   MAX_RESTARTS    worker restarts after a failure (default 0: fail fast); the restarted
 #                   train.py resumes from <out-dir>/checkpoints/latest, so a crash costs the
 #                   steps since the last checkpoint (--ckpt-interval) plus one start-up
+#   GRACE_S         seconds torchrun gives its workers after a stop signal before SIGKILL (default
+#                   30, torchrun's own). On SIGTERM, SIGINT or SIGUSR1 (forwarded to every worker)
+#                   train.py checkpoints its last completed step and exits (rundir.StopRequest);
+#                   set this, and the scheduler's grace period above it, longer than a step
 #   PYTHON          interpreter (default .venv/bin/python, else python3)
 #   DRY_RUN=1       print the command instead of running it
 # It runs from the repository root: relative paths in the arguments are relative to that.
@@ -53,6 +57,12 @@ else
   export VLLM_CPU_OMP_THREADS_BIND="${VLLM_CPU_OMP_THREADS_BIND:-nobind}"
 fi
 
+# torchrun forwards the signals it handles to its workers, then waits GRACE_S before SIGKILL.
+# SIGUSR1 (Slurm's --signal=USR1@<s>, launch/slurm.sbatch) is not among its defaults: without
+# it, torchrun itself would die of it and leave the workers no time.
+export TORCHELASTIC_SIGNALS_TO_HANDLE="${TORCHELASTIC_SIGNALS_TO_HANDLE:-SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1}"
+export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="${GRACE_S:-${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-30}}"
+
 cmd=("$PYTHON" -m torch.distributed.run --nproc-per-node "$NPROC_PER_NODE" --max-restarts "$MAX_RESTARTS")
 if [ "$NNODES" = 1 ] && [ -z "$RDZV_ENDPOINT" ]; then
   cmd+=(--standalone)  # a rendezvous on a free local port (torchrun's --master-port 0 hangs)
@@ -72,6 +82,7 @@ cmd+=(train.py "$@")
 
 if [ "${DRY_RUN:-0}" = 1 ]; then
   [ -n "${OMP_NUM_THREADS:-}" ] && echo "OMP_NUM_THREADS=$OMP_NUM_THREADS"
+  echo "TORCH_ELASTIC_SHUTDOWN_TIMEOUT=$TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
   printf '%q ' "${cmd[@]}"
   echo
   exit 0

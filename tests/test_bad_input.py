@@ -83,8 +83,7 @@ CASES = [
     ("fresh start into another run's dir", ["train.py", "--model", "{tiny}", "--out-dir", "{root}/used",
                                             "--resume", "none"],
      "{root}/used holds another run (metrics.jsonl (2 steps), eval/ (1 entry), config.json) and --resume none: "
-     "--resume latest continues it, --archive-old-run true moves it into {root}/used/archive/ first, or pick a "
-     "new --out-dir"),
+     "--archive-old-run true moves it into {root}/used/archive/ first, or pick a new --out-dir"),
     ("`latest` naming a checkpoint that is gone", ["train.py", "--model", "{tiny}", "--out-dir", "{root}/gone"],
      "{root}/gone/checkpoints/latest names step_4, which is gone, and no other checkpoint is there"),
     ("a second trainer on a run dir", ["train.py", "--model", "{tiny}", "--out-dir", "{root}/locked"],

@@ -113,7 +113,8 @@ def test_a_full_disk_leaves_the_previous_adapter_and_says_so(tmp_path, monkeypat
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(checkpoint, "save_file", no_space)
-    with pytest.raises(checkpoint.WriteError, match=r"adapter .*step_2 not written \(No space left on device\)"):
+    with pytest.raises(checkpoint.WriteError, match=r"adapter .*step_2 not written \(No space left on device; \d+ MB free there\); the previous "
+                                                     "one is untouched$"):
         checkpoint.write_adapter(Peft(), {"w": torch.zeros(2)}, final, {"path": "base", "fingerprint": None})
     assert {p.name: p.read_bytes() for p in final.iterdir()} == before
     assert sorted(p.name for p in final.parent.iterdir()) == ["step_2"]
@@ -136,7 +137,7 @@ def test_a_full_disk_during_a_checkpoint_leaves_the_previous_one_newest(tmp_path
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(torch, "save", no_space)
-    with pytest.raises(checkpoint.WriteError, match=r"checkpoint step_4 not written \(No space left on device\); "
+    with pytest.raises(checkpoint.WriteError, match=r"checkpoint step_4 .*checkpoints not written \(No space left on device; \d+ MB free there\); "
                                                      "the previous one stays the newest"):
         checkpoint.write_checkpoint(tmp_path, 4, Peft(), {"w": torch.ones(1)}, {"optimizer": {}}, {"step": 4},
                                     {"path": "base", "fingerprint": None})
@@ -286,3 +287,92 @@ def test_only_the_current_runs_evaluations_count(tmp_path):
     # a directory from before runs had ids: every file counts
     (out / rundir.RUN_FILE).unlink()
     assert [r["step"] for r in rundir.run_evals(out)] == [0, 4, 6]
+
+
+def test_the_same_command_again_continues_its_run_before_its_first_checkpoint(tmp_path):
+    """A requeued job, a restarted pod or a plain rerun killed before its first checkpoint: the same
+    settings and base start the run over in place, as the same run. Another run's command is
+    refused, naming what differs, and the refusal never advises the command it refuses."""
+    import dataclasses
+
+    out, base = tmp_path / "run", {"path": "base", "fingerprint": "f"}
+    out.mkdir()
+    cfg = train.Config(out_dir=str(out))
+    _, run = rundir._open_run(out, cfg, base, log=print)
+    (out / "config.json").write_text(json.dumps(dataclasses.asdict(cfg)))  # what RunLog writes first
+    (out / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')  # then SIGKILL, no checkpoint
+    said = []
+    assert rundir._open_run(out, train.Config(out_dir=str(out), steps=999), base, log=said.append) == \
+        ("", {**run, "base": base})  # steps is not meaningful: still this run
+    assert said == [f"{out} holds this run (the same settings and base) with no checkpoint yet: starting it over "
+                    "in place"]
+    for other, other_base, difference in ((train.Config(out_dir=str(out), lr=5e-4), base, "lr: 0.001 -> 0.0005"),
+                                          (cfg, {"path": "other", "fingerprint": "g"}, "base: ")):
+        with pytest.raises(SystemExit, match="holds another run") as refused:
+            rundir._open_run(out, other, other_base, log=print)
+        message = str(refused.value)
+        assert difference in message and "--resume latest" not in message and "\n" not in message
+    with pytest.raises(SystemExit) as refused:  # asked to start afresh: --resume latest would continue it
+        rundir._open_run(out, train.Config(out_dir=str(out), resume="none"), base, log=print)
+    assert "--resume none: --resume latest continues it" in str(refused.value)
+    assert rundir.run_record(out)["run_id"] == run["run_id"]
+
+
+@pytest.mark.parametrize("writer", ["sync", "checkpoint", "export", "metrics", "eval", "summary", "stopped"])
+def test_every_write_of_a_run_fails_in_one_line_naming_the_path_and_the_free_space(tmp_path, monkeypatch, writer):
+    """A full disk (or a quota) at any of the run's writes: a WriteError whose one line names what
+    and where, the free space there and what was kept (train.py stops with it), and no temp file
+    is left. The sync's adapter fails inside safetensors, which raises its own error type."""
+    import builtins
+
+    import torch
+    from safetensors import SafetensorError
+
+    class Peft:
+        class Config:
+            def save_pretrained(self, directory):
+                Path(directory, "adapter_config.json").write_text("{}")
+        peft_config = {"default": Config()}
+
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    def safetensors_full(*args, **kwargs):
+        raise SafetensorError("Error while serializing: IoError(Os { code: 28, kind: StorageFull, "
+                              "message: \"No space left on device\" })")
+
+    real_open = builtins.open
+
+    def open_full_for_writing(path, mode="r", *args, **kwargs):
+        if any(m in mode for m in "wa"):
+            raise OSError(28, "No space left on device")
+        return real_open(path, mode, *args, **kwargs)
+
+    out = tmp_path / "run"
+    (out / "eval").mkdir(parents=True)
+    if writer == "metrics":
+        log = rundir.RunLog(out, train.Config(), 0)
+        monkeypatch.setattr(builtins, "open", open_full_for_writing)
+        write = lambda: log.step(3, {"reward_mean": 0.5})  # noqa: E731
+    elif writer in ("sync", "export"):
+        monkeypatch.setattr(checkpoint, "save_file", safetensors_full if writer == "sync" else full)
+        write = lambda: checkpoint.write_adapter(Peft(), {"w": torch.ones(2)}, out / "adapters" / "step_3",  # noqa
+                                                 {"path": "base"})
+    elif writer == "checkpoint":
+        monkeypatch.setattr(torch, "save", full)
+        write = lambda: checkpoint.write_checkpoint(out, 3, Peft(), {"w": torch.ones(1)}, {}, {"step": 3},  # noqa
+                                                    {"path": "base"})
+    else:
+        monkeypatch.setattr(builtins, "open", open_full_for_writing)
+        write = {"eval": lambda: rundir.eval_file(out, {"step": 3}, {"run_id": "r", "base": None}, None),
+                 "summary": lambda: checkpoint.atomic_write_text(out / "summary.json", "{}"),
+                 "stopped": lambda: rundir.write_stopped(out, 15, 3, True)}[writer]
+    with pytest.raises(checkpoint.WriteError) as failed:
+        write()
+    message = str(failed.value)
+    assert "\n" not in message and " not written (No space left on device; " in message
+    assert str(out) in message and "MB free there); " in message
+    assert any(kept in message for kept in ("untouched", "stays the newest", "are kept"))
+    monkeypatch.undo()
+    leftovers = [p for p in out.rglob("*") if ".tmp-" in p.name]
+    assert not leftovers
