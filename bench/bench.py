@@ -4,12 +4,15 @@ here gates CI on timing.
     .venv/bin/python bench/bench.py --quick      # about 3 minutes on 2 idle CPU cores
     .venv/bin/python bench/bench.py              # the full set, about 15 minutes
     .venv/bin/python bench/bench.py --only rollout --profile
+    .venv/bin/python bench/bench.py --size tiny  # every section at its smallest: a smoke run, no figures
+                                                 # worth reading (tests/test_bench.py runs it)
 
 Sections (`--only` picks some, comma-separated):
 
   coldstart  engine start and first rollout, each in a fresh process, per setting
   train      real training steps, phase by phase, with 1 and 2 processes (`train.py`, `torchrun`),
-             and the scaling of episodes/s from 1 to 2
+             and the scaling of episodes/s from 1 to 2; the phases are the timings train.py writes
+             to metrics.jsonl (every `*_s` key but the rates `*_per_s`), whatever they are named
   sync       LoRA sync: bytes, seconds and share of the step come from the train runs; here, write
              and load of a random rank-32 adapter with the shape of Qwen3-VL-8B
   rollout    `rollout.play_episodes` (in-process vLLM, token-in/token-out, prefix caching) against
@@ -145,8 +148,10 @@ def bench_rollout(args) -> dict:
     from vllm.lora.request import LoRARequest
 
     model_path = tiny_model()
-    p = dict(mazes=2 if args.quick else 8, samples=4 if args.quick else 8, repeats=2 if args.quick else 3,
-             turn_limits=[8, 15], max_new_tokens=32, temperature=1.0, lora_rank=8, difficulty="small",
+    size = {"tiny": dict(mazes=1, samples=2, repeats=1, turn_limits=[2]),
+            "quick": dict(mazes=2, samples=4, repeats=2, turn_limits=[8, 15]),
+            "full": dict(mazes=8, samples=8, repeats=3, turn_limits=[8, 15])}[args.size]
+    p = dict(**size, max_new_tokens=32, temperature=1.0, lora_rank=8, difficulty="small",
              cell_px=env.CELL_PX_TINY, max_model_len=4096, threads=torch.get_num_threads())
     if args.rollout_repeats:
         p["repeats"] = args.rollout_repeats
@@ -288,17 +293,35 @@ def profile_rollout(play) -> dict:
 
 # ----------------------------------------------------------------------------- 2. training step
 
-PHASES = ["rollout_s", "logprobs_s", "update_s", "sync_s", "eval_s", "checkpoint_s", "step_s"]
+# The phases are not named here: they are whatever timings train.py writes into each metrics.jsonl
+# line (`timing_keys`). These are the few the summary needs by name: the step's whole time, the
+# two that run on intervals (reported "when run" and left out of the core step), and the sync.
+STEP_KEY, INTERVAL_KEYS, SYNC_KEY = "step_s", ("eval_s", "checkpoint_s"), "sync_s"
 
 
-def train_args(quick: bool) -> list:
+def timing_keys(rows: list) -> list:
+    """The timings of train.py's metrics rows, in the rows' order (train.py sorts its metrics by
+    name): every number under a key ending in `_s` except the rates (`*_per_s`, such as
+    tokens_per_s). Fails, naming what it found, if one the summary needs by name is gone."""
+    keys = []
+    for row in rows:
+        keys += [k for k, v in row.items() if k.endswith("_s") and not k.endswith("_per_s")
+                 and isinstance(v, (int, float)) and k not in keys]
+    missing = [k for k in (STEP_KEY, *INTERVAL_KEYS, SYNC_KEY) if k not in keys]
+    if missing:
+        raise KeyError(f"train.py's metrics.jsonl has no {missing}; its timings are {keys}: "
+                       "bench/bench.py's STEP_KEY, INTERVAL_KEYS, SYNC_KEY must follow the trainer")
+    return keys
+
+
+def train_args(size: str) -> list:
     """Tiny settings for a few real steps; eval, checkpoint and export every 2 steps."""
-    if quick:
-        size = ["--prompts-per-step", "2", "--group-size", "4", "--max-turns", "4", "--max-new-tokens", "8",
-                "--steps", "3", "--eval-mazes", "2"]
-    else:
-        size = ["--prompts-per-step", "4", "--group-size", "8", "--max-turns", "8", "--max-new-tokens", "32",
-                "--steps", "5", "--eval-mazes", "8"]
+    size = {"tiny": ["--prompts-per-step", "2", "--group-size", "2", "--max-turns", "2", "--max-new-tokens", "8",
+                     "--steps", "2", "--eval-mazes", "2", "--sampled-eval-samples", "1"],
+            "quick": ["--prompts-per-step", "2", "--group-size", "4", "--max-turns", "4", "--max-new-tokens", "8",
+                      "--steps", "3", "--eval-mazes", "2"],
+            "full": ["--prompts-per-step", "4", "--group-size", "8", "--max-turns", "8", "--max-new-tokens", "32",
+                     "--steps", "5", "--eval-mazes", "8"]}[size]
     # rank 8 and no branch rollouts: the settings bench/README.md's tables were measured at (the
     # recipe's branches and rank 32 since 2026-12-03 are costed by bench/visit_cost.py)
     return size + ["--eval-interval", "2", "--ckpt-interval", "2", "--export-interval", "2", "--progress", "false",
@@ -312,7 +335,7 @@ def run_train(nproc: int, args, out_dir: Path) -> dict:
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
                "train.py"]
-    cmd += ["--out-dir", str(out_dir), *train_args(args.quick)]
+    cmd += ["--out-dir", str(out_dir), *train_args(args.size)]
     environ = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
     log(f"train: {nproc} process(es): {' '.join(cmd[1:])}")
     t = time.time()
@@ -322,33 +345,43 @@ def run_train(nproc: int, args, out_dir: Path) -> dict:
         log(f"  train.py failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
         return {"nproc": nproc, "failed": proc.returncode, "stderr_tail": proc.stderr[-2000:]}
     rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    return {"nproc": nproc, "wall_s": wall, **summarise_train(rows, train_args(args.size))}
+
+
+def summarise_train(rows: list, train_argv: list) -> dict:
+    """train.py's metrics rows, summarised: each timing it wrote (`timing_keys`) over the steps
+    after the first, the core step and episodes/s, the sync's share."""
+    phases = timing_keys(rows)
     later = rows[1:]  # the first step pays for warm-up (compilation, first shapes)
-    episodes = int(train_args(args.quick)[1]) * int(train_args(args.quick)[3])
-    res = {"nproc": nproc, "wall_s": wall, "steps": len(rows), "episodes_per_step": episodes,
-           "first_step": {k: rows[0][k] for k in PHASES}}
-    for k in PHASES:
-        res[k] = summary([r[k] for r in later])
-    for k in ("eval_s", "checkpoint_s"):  # they run every 2 steps: their cost when they run
+    flag = dict(zip(train_argv[::2], train_argv[1::2]))
+    episodes = int(flag["--prompts-per-step"]) * int(flag["--group-size"])
+    res = {"steps": len(rows), "episodes_per_step": episodes, "phases": phases,
+           "first_step": {k: rows[0].get(k) for k in phases}}
+    for k in phases:
+        res[k] = summary([r.get(k) for r in later])
+    for k in INTERVAL_KEYS:  # they run every 2 steps: their cost when they run
         res[k + "_when_run"] = summary([r[k] for r in later if r[k] > 1e-3])
-    # the step without eval and checkpoint, which run every 10 and 20 steps in the recipe
-    core = [r["rollout_s"] + r["logprobs_s"] + r["update_s"] + r["sync_s"] for r in later]
+    # the step without eval and checkpoint, which run every 10 and 20 steps in the recipe: the
+    # step's whole time less those two (a sum of the other phases would count nested ones twice:
+    # branch_s is inside rollout_s)
+    core = [r[STEP_KEY] - sum(r[k] for k in INTERVAL_KEYS) for r in later]
     res["core_step_s"] = summary(core)
     res["episodes_per_s"] = summary([episodes / c for c in core])
     res["sync_bytes"] = rows[-1]["sync_bytes"]
-    res["sync_share_of_core_step"] = summary([r["sync_s"] / c for r, c in zip(later, core)])
-    res["sync_share_of_step"] = summary([r["sync_s"] / r["step_s"] for r in later])
-    log(f"  {nproc} process(es): core step {fmt(res['core_step_s'])} s, {fmt(res['episodes_per_s'])} episodes/s, "
-        f"wall {wall:.0f} s")
+    res["sync_share_of_core_step"] = summary([r[SYNC_KEY] / c for r, c in zip(later, core)])
+    res["sync_share_of_step"] = summary([r[SYNC_KEY] / r[STEP_KEY] for r in later])
+    log(f"  core step {fmt(res['core_step_s'])} s, {fmt(res['episodes_per_s'])} episodes/s; phases {phases}")
     return res
 
 
 def bench_train(args) -> dict:
-    """Section 2 (and the measured half of 3): real steps with 1 and 2 processes."""
-    out = {"args": train_args(args.quick), "threads_per_process": args.threads, "load_start": load()}
+    """Section 2 (and the measured half of 3): real steps with 1 and 2 processes (at --size tiny,
+    1 only: the torchrun run would double the smoke run's time and test nothing of bench's own)."""
+    out = {"args": train_args(args.size), "threads_per_process": args.threads, "load_start": load()}
     with tempfile.TemporaryDirectory(prefix="bench-train-") as tmp:
-        for nproc in (1, 2):
+        for nproc in (1,) if args.size == "tiny" else (1, 2):
             out[f"nproc_{nproc}"] = run_train(nproc, args, Path(tmp) / f"n{nproc}")
-    one, two = out["nproc_1"], out["nproc_2"]
+    one, two = out["nproc_1"], out.get("nproc_2", {"failed": "not run"})
     if "failed" not in one and "failed" not in two:
         out["scaling_2_vs_1"] = two["episodes_per_s"]["median"] / one["episodes_per_s"]["median"]
     out["load_end"] = load()
@@ -369,13 +402,13 @@ def bench_sync_8b(args) -> dict:
     from peft import LoraConfig
     from safetensors.torch import load_file, save_file
 
-    rank = 32
+    rank = 1 if args.size == "tiny" else 32
     tensor_shapes = shapes.lora_tensor_shapes(shapes.QWEN3_VL_8B_TEXT, rank)
     params = shapes.lora_parameter_count(shapes.QWEN3_VL_8B_TEXT, rank)
     assert params == sum(a * b for a, b in tensor_shapes.values())
     out = {"rank": rank, "targets": list(shapes.LORA_TARGETS), "text_config": shapes.QWEN3_VL_8B_TEXT,
            "parameters": params, "load_start": load()}
-    repeats = 1 if args.quick else 3
+    repeats = 3 if args.size == "full" else 1
     torch.manual_seed(0)
     for dtype in (torch.float32, torch.bfloat16):
         name = str(dtype).split(".")[1]
@@ -467,8 +500,8 @@ def coldstart_child(engine_kwargs: dict):
 
 
 def bench_coldstart(args) -> dict:
-    names = ["default", "enforce_eager"] if args.quick else list(COLDSTART_CONFIGS)
-    repeats = 1 if args.quick else 2
+    names = {"tiny": ["default"], "quick": ["default", "enforce_eager"], "full": list(COLDSTART_CONFIGS)}[args.size]
+    repeats = 2 if args.size == "full" else 1
     out = {"play": "2 mazes x 2 samples, 3 turns, 16 tokens", "load_start": load()}
     pycache = Path(tempfile.mkdtemp(prefix="bench-pycache-"))
     for name in names:
@@ -545,25 +578,34 @@ def table(results: dict) -> str:
                 lines.append(f"| {part} | {100 * share:.1f}% |")
             lines.append("")
     if t := results.get("train"):
+        # the columns are the timings the trainer wrote (either run's), those on intervals and the
+        # whole step (as the core step) last
+        runs = [n for n in (1, 2) if f"nproc_{n}" in t]
+        phases = []
+        for n in runs:
+            phases += [k for k in t[f"nproc_{n}"].get("phases", []) if k not in phases and k != STEP_KEY]
+        phases = [k for k in phases if k not in INTERVAL_KEYS] + [k for k in INTERVAL_KEYS if k in phases]
+        columns = [(k[:-2].replace("_", " ") + (" (when run)" if k in INTERVAL_KEYS else ""),
+                    k + "_when_run" if k in INTERVAL_KEYS else k) for k in phases]
+        columns += [("step w/o " + "+".join(k[:-2] for k in INTERVAL_KEYS), "core_step_s"),
+                    ("episodes/s", "episodes_per_s")]
         lines += ["### Training step, phase by phase (seconds; steps after the first)", "",
                   f"`train.py {' '.join(t['args'])}`, {t['threads_per_process']} thread(s) per process.", "",
-                  "| processes | rollout | logprobs | update | sync | eval (when run) | checkpoint (when run) | "
-                  "step w/o eval+ckpt | episodes/s |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-        for n in (1, 2):
+                  "| processes | " + " | ".join(name for name, _ in columns) + " |",
+                  "| --- " * (len(columns) + 1) + "|"]
+        for n in runs:
             x = t[f"nproc_{n}"]
             if "failed" in x:
-                lines.append(f"| {n} | failed ({x['failed']}) | | | | | | | |")
+                lines.append(f"| {n} | failed ({x['failed']}) |" + " |" * (len(columns) - 1))
                 continue
-            lines.append(f"| {n} | {fmt(x['rollout_s'])} | {fmt(x['logprobs_s'])} | {fmt(x['update_s'])} | "
-                         f"{fmt(x['sync_s'])} | {fmt(x['eval_s_when_run'])} | {fmt(x['checkpoint_s_when_run'])} | "
-                         f"{fmt(x['core_step_s'])} | {fmt(x['episodes_per_s'])} |")
+            lines.append(f"| {n} | " + " | ".join(fmt(x[key]) if key in x else "n/a" for _, key in columns) + " |")
         if "scaling_2_vs_1" in t:
             lines += ["", f"Scaling, episodes/s with 2 processes over 1: **{t['scaling_2_vs_1']:.2f}x**."]
         lines.append("")
     if t := results.get("train"):
         lines += ["### LoRA sync", "", "| what | bytes | seconds | share of step (w/o eval+ckpt) |",
                   "| --- | --- | --- | --- |"]
-        for n in (1, 2):
+        for n in [n for n in (1, 2) if f"nproc_{n}" in t]:
             x = t[f"nproc_{n}"]
             if "failed" not in x:
                 lines.append(f"| tiny model, rank 8, {n} process(es) | {x['sync_bytes']:.0f} | {fmt(x['sync_s'])} | "
@@ -598,9 +640,12 @@ RESULT_KEYS = {"coldstart": "coldstart", "train": "train", "sync": "sync_8b", "r
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="small sizes, fewer repeats (a few minutes)")
+    parser.add_argument("--size", choices=["tiny", "quick", "full"], default="full",
+                        help="full (default, ~13 min), quick (small sizes, fewer repeats, a few minutes) or tiny "
+                             "(every section at its smallest, once: a smoke run for the tests, no figures to keep)")
+    parser.add_argument("--quick", action="store_true", help="the same as --size quick")
     parser.add_argument("--only", default="", help=f"comma-separated sections of {list(SECTIONS)}; default all")
-    parser.add_argument("--profile", action="store_true", help="profile a vLLM rollout (on by default unless --quick)")
+    parser.add_argument("--profile", action="store_true", help="profile a vLLM rollout (on by default at --size full)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads per process, the same for both rollout loops and every child (default 1: "
                              "on a shared machine more threads than free cores made runs up to 30x slower)")
@@ -612,13 +657,15 @@ def main():
     torch.set_num_threads(args.threads)  # before any engine exists: vLLM's CPU worker then forbids changes
     if args.coldstart_child is not None:
         return coldstart_child(json.loads(args.coldstart_child))
-    args.profile = args.profile or not args.quick
+    if args.quick:
+        args.size = "quick"
+    args.profile = args.profile or args.size == "full"
 
     sections = [s for s in (args.only.split(",") if args.only else SECTIONS) if s]
     unknown = set(sections) - set(SECTIONS)
     if unknown:
         raise SystemExit(f"unknown sections {sorted(unknown)}; choose from {list(SECTIONS)}")
-    mode = "quick" if args.quick else "full"
+    mode = args.size
     date = datetime.datetime.now().strftime("%Y-%m-%d-%H%M")
     results = {"meta": {"date": date, "mode": mode, "command": " ".join([Path(sys.executable).name, *sys.argv]),
                         "machine": machine(), "threads": args.threads, "load_start": load()}}
