@@ -11,6 +11,7 @@
 
 import json
 import os
+import random
 import shlex
 import shutil
 import signal
@@ -215,6 +216,57 @@ def test_a_worker_killed_in_a_checkpoint_write_and_then_mid_step_resumes_each_ti
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("launcher", ["python", "torchrun"])
+def test_a_stop_signal_loses_at_most_the_step_in_hand_and_the_same_command_resumes(tmp_path, launch, launcher):
+    """SIGTERM, as a scheduler preempts, at a random moment of a run (to `python train.py`, or to
+    torchrun, which forwards it): the run checkpoints its last completed step, says so in one
+    line, writes stopped.json and exits with 143 (python) well inside a 30 s grace period. The very
+    same command then resumes it: one metrics line per step, the maze stream of a run never stopped."""
+    out, steps = tmp_path / "run", 5
+    args = ["--steps", str(steps), "--ckpt-interval", "50"]  # no checkpoint on the way: the stop writes it
+
+    def start(log):
+        if launcher == "torchrun":
+            return launch(out, *args, log=log, PYTHON=sys.executable)
+        with open(tmp_path / log, "w") as f:
+            proc = subprocess.Popen([sys.executable, "train.py", "--out-dir", str(out), *TINY, *args], cwd=ROOT,
+                                    stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        proc.log = tmp_path / log
+        return proc
+
+    proc = start("first.txt")
+    wait_for(lambda: metrics(out), "the first step", [proc])
+    time.sleep(random.uniform(0, 1.5))  # anywhere in a step (~1 s here)
+    os.kill(proc.pid, signal.SIGTERM)
+    signalled = time.time()
+    try:
+        rc = proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"still running 30 s after SIGTERM:\n{tail(proc)}")
+    stop_s, done = time.time() - signalled, len(metrics(out))
+    log = proc.log.read_text()
+    assert "Traceback" not in log.split("stopped by SIGTERM")[0]
+    [said] = [line for line in log.splitlines() if "stopped by SIGTERM" in line]
+    assert f"checkpoint step_{done} is the last completed step" in said and "the same command resumes" in said
+    assert latest_step(out) == done and json.loads((out / "stopped.json").read_text())["checkpoint_step"] == done
+    if launcher == "python":
+        assert rc == 128 + signal.SIGTERM
+    else:
+        assert rc != 0  # torchrun reports the signal it got
+
+    again = start("again.txt")
+    restarted = time.time()
+    wait_for(lambda: len(metrics(out)) > done, "the first step after the restart", [again])
+    back_s = time.time() - restarted
+    log = finish(again)
+    assert f"resumed from {out}/checkpoints/step_{done} at step {done}" in log
+    assert not (out / "stopped.json").exists()
+    assert_one_line_per_step_and_the_uninterrupted_maze_stream(out, steps)
+    print(f"\n[preemption, {launcher}] SIGTERM during step {done + 1}: exit {stop_s:.1f}s later, "
+          f"0 completed steps lost; restart -> step {done + 1} done again {back_s:.1f}s")
+
+
+@pytest.mark.slow
 def test_two_nodes_on_one_machine(tmp_path, launch, warm_start):
     """Two "nodes" (one process each) meet at a c10d rendezvous and train one run into one run
     dir, at the main job's temperature (0.5: the engines report the tempered log-probs,
@@ -275,6 +327,7 @@ def test_torchrun_sh_command_lines():
 STUB_SCONTROL = """#!/usr/bin/env bash
 echo "$@" >> "$STUB_LOG/scontrol"
 [ "$1 $2" = "show hostnames" ] && printf '%s\\n' $STUB_HOSTS
+exit 0
 """
 # srun: record the call, then run the task once per node with what srun would set in it
 STUB_SRUN = """#!/usr/bin/env bash
@@ -333,8 +386,19 @@ def test_slurm_script_runs_torchrun_once_per_node(tmp_path):
 
     headers = [line.split()[1] for line in (ROOT / "launch" / "slurm.sbatch").read_text().splitlines()
                if line.startswith("#SBATCH")]
-    for flag in ("--ntasks-per-node=1", "--requeue", "--nodes=2", "--gpus-per-node=8"):
+    for flag in ("--ntasks-per-node=1", "--requeue", "--nodes=2", "--gpus-per-node=8", "--signal=USR1@600"):
         assert flag in headers
+
+
+def test_slurm_requeues_a_run_its_time_limit_warning_stopped(tmp_path):
+    """--signal=USR1@600: train.py checkpoints, writes stopped.json and exits; the script then
+    requeues its own job (a preemption's SIGTERM is requeued by Slurm itself: not again here)."""
+    (tmp_path / "run").mkdir()
+    for name, requeued in (("SIGTERM", False), ("SIGUSR1", True)):
+        (tmp_path / "run" / "stopped.json").write_text(json.dumps({"signal": name, "checkpoint_step": 7}))
+        (tmp_path / "scontrol").unlink(missing_ok=True)
+        sbatch(tmp_path, SLURM_GPUS_ON_NODE="4")
+        assert ("requeue 4242" in (tmp_path / "scontrol").read_text()) == requeued
 
 
 # ----------------------------------------------------------------------------- Kubernetes
@@ -456,19 +520,171 @@ def test_the_training_curve_is_a_rolling_mean():
 @pytest.mark.slow
 def test_gpu_check_runs_the_trainer_path_in_its_dry_run(tmp_path):
     """launch/gpu_check.sh, the script for a one-GPU machine, in its CPU mode: the small shape
-    through the trainer's code (policy, precomputed features, update with TIS, adapter and
-    checkpoint round trip), every check passing, one JSON report."""
+    through the trainer's code (build_policy from a saved model, equal to it; precomputed features;
+    update with TIS; adapter and checkpoint round trip), every check passing, one JSON report that
+    already holds each check when its line is printed (a run cut off keeps what it finished)."""
     out = tmp_path / "results"
-    proc = subprocess.run(["bash", "launch/gpu_check.sh", "--dry-run"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=600, env={**os.environ, "OUT": str(out)})
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = subprocess.Popen(["bash", "launch/gpu_check.sh", "--dry-run"], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True,  # (no wheels: what .venv has, whatever .whl/ holds)
+                            env={**os.environ, "OUT": str(out), "WHEELS": str(tmp_path / "no-wheels")})
+    seen_while_running = []
+    for line in proc.stdout:
+        if line.startswith("[ok]") or line.startswith("[FAIL]"):
+            on_disk = json.loads((out / "gpu_check.json").read_text())
+            seen_while_running.append((on_disk["status"], len(on_disk["checks"])))
+    assert proc.wait(timeout=600) == 0
+    assert seen_while_running == [("running", n) for n in range(1, 6)]
     report = json.loads((out / "gpu_check.json").read_text())
-    assert report["dry_run"] and not report["gpu"] and report["passed"] == report["total"] == 5
+    assert report["status"] == "done" and report["dry_run"] and not report["gpu"]
+    assert (report["passed"], report["failed"], report["skipped"]) == (5, 0, 0)
     assert report["requirements"] and all(r["ok"] for r in report["requirements"])
     assert {"transformers", "peft", "regex", "tokenizers", "huggingface-hub"} <= {r["name"] for r in report["requirements"]}
     assert [c["check"].split(":")[0] for c in report["checks"]][1:] == ["small"] * 4
+    assert "build_policy" in report["checks"][1]["check"]
+    compared = report["shapes"]["small"]["build_policy_compared"]
+    assert compared["tensors"] > 100 and any("rotary_emb.inv_freq" in b for b in compared["buffers_outside_the_state_dict"])
     update = next(c for c in report["checks"] if "grpo_update" in c["check"])
     assert "LoRA moved" in update["detail"] and report["shapes"]["small"]["grad_norm"] > 0
+
+
+def _fake_wheel(folder: Path, name: str, version: str, tag: str = "py3-none-any", requires=()) -> Path:
+    """A wheel with metadata only (pip downloads and installs it like any other)."""
+    import base64
+    import hashlib
+    import zipfile
+
+    info = f"{name}-{version}.dist-info"
+    files = {f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n"
+                                 + "".join(f"Requires-Dist: {r}\n" for r in requires),
+             f"{info}/WHEEL": f"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: {tag}\n"}
+    digest = {p: base64.urlsafe_b64encode(hashlib.sha256(t.encode()).digest()).rstrip(b"=").decode()
+              for p, t in files.items()}
+    files[f"{info}/RECORD"] = "".join(f"{p},sha256={digest[p]},{len(t.encode())}\n" for p, t in files.items()) \
+        + f"{info}/RECORD,,\n"
+    folder.mkdir(parents=True, exist_ok=True)
+    with zipfile.ZipFile(folder / f"{name}-{version}-{tag}.whl", "w") as z:
+        for p, t in files.items():
+            z.writestr(p, t)
+    return folder / f"{name}-{version}-{tag}.whl"
+
+
+def _pinned() -> dict:
+    """What requirements.txt pins for transformers and peft, read here on its own."""
+    lines = (ROOT / "requirements.txt").read_text().splitlines()
+    return dict(line.split("==") for line in lines if line.startswith(("transformers==", "peft==")))
+
+
+def test_gpu_check_fetch_wheels_takes_the_pins_from_requirements_txt(tmp_path):
+    """--fetch-wheels downloads the transformers and peft that requirements.txt pins (not a newer
+    one), a regex that satisfies that transformers, for the device's Python 3.12, into a folder
+    emptied first. Offline: pip reads a local folder of stand-in wheels instead of PyPI."""
+    pinned = _pinned()
+    assert set(pinned) == {"transformers", "peft"}
+    index = tmp_path / "index"
+    _fake_wheel(index, "transformers", pinned["transformers"], requires=["regex>=2025.10.22", "tqdm>=4.60"])
+    _fake_wheel(index, "transformers", "99.0.0")  # newer than the pin: must not be taken
+    _fake_wheel(index, "peft", pinned["peft"])
+    _fake_wheel(index, "regex", "2024.1.1", tag="cp312-cp312-manylinux_2_17_x86_64")  # too old for it
+    _fake_wheel(index, "regex", "2026.1.1", tag="cp312-cp312-manylinux_2_17_x86_64")
+    wheels = tmp_path / "whl"
+    _fake_wheel(wheels, "transformers", "5.0.0")  # a stale one from an earlier fetch
+    proc = subprocess.run(["bash", "launch/gpu_check.sh", "--fetch-wheels"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "WHEELS": str(wheels), "PIP_NO_INDEX": "1",
+                                            "PIP_FIND_LINKS": str(index)})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert sorted(p.name for p in wheels.iterdir()) == sorted([
+        f"peft-{pinned['peft']}-py3-none-any.whl", "regex-2026.1.1-cp312-cp312-manylinux_2_17_x86_64.whl",
+        f"transformers-{pinned['transformers']}-py3-none-any.whl"])
+    assert "regex>=2025.10.22" in proc.stdout
+
+
+def test_gpu_check_refuses_to_start_without_the_pinned_transformers_and_peft(tmp_path):
+    """Carried wheels of other versions (here the device image's transformers 5.17 and an old peft)
+    are installed, and gpu_check.py then refuses in one line naming both and the pins, before it
+    imports either; the report says so. The pins are requirements.txt's."""
+    from launch import gpu_check
+
+    pinned = _pinned()
+    assert gpu_check.pins() == pinned
+    wheels, out = tmp_path / "whl", tmp_path / "out"
+    _fake_wheel(wheels, "transformers", "5.17.0")
+    _fake_wheel(wheels, "peft", "0.17.0")
+    proc = subprocess.run(["bash", "launch/gpu_check.sh", "--dry-run"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "WHEELS": str(wheels), "OUT": str(out)})
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    [line] = [line for line in proc.stderr.splitlines() if "refusing" in line]
+    need = f"needs transformers=={pinned['transformers']} peft=={pinned['peft']} (requirements.txt)"
+    assert line.startswith("gpu_check: refusing to start: " + need + ", found transformers 5.17.0, peft 0.17.0;")
+    assert "--fetch-wheels" in line and "[ok]" not in proc.stdout
+    report = json.loads((out / "gpu_check.json").read_text())
+    assert report["status"] == "refused" and report["checks"] == [] and report["refused"] == line
+
+
+def _build_policy_check(results):
+    """In a fresh process (a world of one): build_policy from a saved random model at the tiny
+    shape equals it; then one buffer outside the state dict, one LoRA weight and one base weight
+    of the built policy are changed, and the comparison names each."""
+    import torch
+
+    import distributed
+    from config import Config
+    from launch import gpu_check
+    from gpu_mfu import TINY_TEXT, TINY_VISION  # (bench/, which gpu_check puts on the path) the tiny model's shape
+
+    distributed.init_distributed()
+    model, source = gpu_check.build_from_saved(Config(lora_rank=8, lora_alpha=16, seed=3), TINY_TEXT, TINY_VISION)
+    found = {"clean": gpu_check.differences(model, source)}
+    buffer = next(n for n in found["clean"][1]["buffers_outside_the_state_dict"] if "language_model" in n)
+    lora = next(n for n, p in model.named_parameters() if "lora_A" in n and "layers.1." in n)
+    base = next(n for n, p in model.named_parameters() if "lora_" not in n and "layers.0.mlp.up_proj" in n)
+    with torch.no_grad():
+        model.get_buffer(buffer).mul_(1.5)
+        for name in (lora, base):
+            param = model.get_parameter(name)
+            (param.to_local() if hasattr(param, "to_local") else param).view(-1)[0] += 1.0
+    found["broken"] = gpu_check.differences(model, source)[0]
+    results.put({**found, "names": [buffer, lora, base]})
+
+
+def test_gpu_check_build_policy_equals_its_saved_source_and_the_comparison_sees_a_change():
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    proc = ctx.Process(target=_build_policy_check, args=(results,))
+    proc.start()
+    out = None
+    for _ in range(60):  # bounded wait, and fail fast if the child died
+        try:
+            out = results.get(timeout=5)
+            break
+        except Exception:
+            assert proc.is_alive(), f"the check died (exit code {proc.exitcode})"
+    proc.join(timeout=60)
+    assert out is not None, "the check timed out"
+    bad, compared = out["clean"]
+    assert bad == [] and compared["tensors"] > 50
+    outside = compared["buffers_outside_the_state_dict"]  # what a state-dict comparison alone would miss
+    assert any(b.endswith("language_model.rotary_emb.inv_freq") for b in outside)
+    assert any(b.endswith("visual.rotary_pos_emb.inv_freq") for b in outside)
+    assert [name for name in out["names"] if not any(b.startswith(name + ":") for b in out["broken"])] == []
+    assert len(out["broken"]) == 3, out["broken"]
+
+
+def test_gpu_check_skips_a_stage_it_has_no_time_for(tmp_path, monkeypatch):
+    """A stage that would not fit in what is left of --budget-s is reported skipped, at once."""
+    import time
+
+    from launch import gpu_check
+
+    monkeypatch.setattr(gpu_check, "REPORT", {"checks": [], "status": "running"})
+    monkeypatch.setattr(gpu_check, "REPORT_PATH", tmp_path / "gpu_check.json")
+    monkeypatch.setattr(gpu_check, "START", time.time() - 200)
+    assert gpu_check.within_budget("bench", 300)  # 100 s left, it needs 75
+    assert not gpu_check.within_budget("8b", 300)
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert report["skipped"] == 1 and report["checks"][0]["check"] == "8b"
+    assert report["checks"][0]["detail"].startswith("skipped: 100 s of the 300 s budget left")
 
 
 def test_report_names_the_sampled_evaluations_own_temperature(tmp_path):
