@@ -58,6 +58,15 @@ LORA_TARGET_REGEX = r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj
 
 def build_engine(model: str, **kwargs):
     """An in-process vLLM engine with LoRA and prefix caching (engine_arguments says which)."""
+    # vLLM's native top-k/top-p sampler (PyTorch; Triton kernels from batches of 8, built locally),
+    # not FlashInfer's, unless the user chose: vLLM 0.33's CUDA wheel ships none of FlashInfer's
+    # precompiled kernels, which it would fetch or compile at run time (an offline node can do
+    # neither). In the pinned vllm 0.33.0 the variable is read when the engine builds its sampler:
+    # vllm/envs.py:884-891 (on unless set), vllm/v1/sample/ops/topk_topp_sampler.py:118-125 (0:
+    # FlashInfer off), which decides for Model Runner V1's sampler (same file, 241-251) and V2's
+    # (vllm/v1/worker/gpu/sample/sampler.py:88-90, 340-341). Off CUDA it is never read
+    # (topk_topp_sampler.py:118). serve.py does the same for the server.
+    os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     from vllm import LLM
 
     for name in ("vllm.v1.worker.cpu_worker", "vllm.lora.model_manager"):

@@ -380,6 +380,12 @@ def serve(argv: list[str]):
     os.environ["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
     for variable in ("VLLM_LORA_RESOLVER_CACHE_DIR", "VLLM_LORA_RESOLVER_HF_REPO_LIST"):
         os.environ.pop(variable, None)
+    # A request with top-p/top-k (its own, or the model's generation_config.json defaults) would
+    # go to FlashInfer's sampler on a GPU, whose kernels vLLM 0.33's wheel lacks and would fetch or
+    # compile at run time (not on an offline node): vLLM's native sampler instead, unless the user
+    # set the variable. Pinned vllm 0.33.0: vllm/envs.py:884-891, read when the engine core
+    # builds its sampler, vllm/v1/sample/ops/topk_topp_sampler.py:118-125 (more in rollout.build_engine).
+    os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     from vllm.lora.resolver import LoRAResolverRegistry
 
     LoRAResolverRegistry.register_resolver("adapter root", make_resolver(root, args.served_name))

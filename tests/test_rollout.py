@@ -1,6 +1,7 @@
 """Rollouts keep tokens exactly: the trainer sees what vLLM saw, images included."""
 
 import math
+import os
 
 import pytest
 import torch
@@ -369,3 +370,22 @@ def test_a_stale_adapter_stops_the_run_with_one_line(engine, warm_start):
     guard = policy.StalePolicyGuard(steps=3)  # a single bad step between good ones does not stop it
     for step, m in enumerate([stale, stale, in_sync, stale, stale, in_sync], 1):
         guard.check(step, m)
+
+
+def test_the_engine_is_built_with_vllms_native_top_k_top_p_sampler(monkeypatch):
+    """build_engine sets VLLM_USE_FLASHINFER_SAMPLER=0 before vLLM is imported (vLLM 0.33's CUDA
+    wheel lacks FlashInfer's kernels; see build_engine), and leaves a value the user set alone."""
+    import sys
+    import types
+
+    seen = []
+    fake = types.ModuleType("vllm")
+    fake.LLM = lambda **kwargs: seen.append(os.environ.get("VLLM_USE_FLASHINFER_SAMPLER")) or kwargs
+    monkeypatch.setitem(sys.modules, "vllm", fake)
+    for user, expected in ((None, "0"), ("1", "1")):
+        if user is None:
+            monkeypatch.delenv("VLLM_USE_FLASHINFER_SAMPLER", raising=False)
+        else:
+            monkeypatch.setenv("VLLM_USE_FLASHINFER_SAMPLER", user)
+        args = rollout.build_engine("m", max_model_len=64, max_lora_rank=8, seed=0)
+        assert args["model"] == "m" and seen[-1] == expected

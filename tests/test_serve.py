@@ -432,3 +432,39 @@ def test_adapter_names_resolve_only_inside_the_root(tmp_path):
                  str(outside / "x"), "escape", "escape_dir/x", ".hidden", "run1//step_20", "loop",
                  "loop/x", "a\0", "x" * 5000]:
         assert serve.adapter_dir(root, name) is None, name
+
+
+def test_the_server_is_started_with_vllms_native_top_k_top_p_sampler(tmp_path, tiny_model, monkeypatch):
+    """serve.py sets VLLM_USE_FLASHINFER_SAMPLER=0 before it imports vLLM (vLLM 0.33's CUDA wheel
+    lacks FlashInfer's kernels, which a request with top-p/top-k would need compiled or fetched),
+    so the engine core it starts inherits it; a value the user set stays. vLLM itself is stood in
+    for: what the server would start with is what run_server sees."""
+    import os
+    import types
+
+    seen = []
+
+    async def run_server(args):
+        seen.append((os.environ.get("VLLM_USE_FLASHINFER_SAMPLER"), args))
+
+    class Parser:
+        def parse_args(self, argv):
+            return argv
+
+    registry = types.SimpleNamespace(register_resolver=lambda name, resolver: None)
+    monkeypatch.setitem(sys.modules, "vllm.lora.resolver", types.SimpleNamespace(LoRAResolverRegistry=registry))
+    monkeypatch.setattr(serve, "vllm_server_api",
+                        lambda: (run_server, lambda parser: Parser(), lambda args: None, lambda: None, object))
+    monkeypatch.setattr(serve, "make_resolver", lambda root, served_name: None)
+    monkeypatch.setattr(serve, "fix_cpu_lora_for_base_requests", lambda: None)
+    monkeypatch.setattr(serve, "SERVING", {})
+    for variable in ("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "VLLM_LORA_RESOLVER_CACHE_DIR",
+                     "VLLM_LORA_RESOLVER_HF_REPO_LIST"):
+        monkeypatch.delenv(variable, raising=False)  # (serve sets or drops these; put back afterwards)
+    for user, expected in ((None, "0"), ("1", "1")):
+        if user is None:
+            monkeypatch.delenv("VLLM_USE_FLASHINFER_SAMPLER", raising=False)
+        else:
+            monkeypatch.setenv("VLLM_USE_FLASHINFER_SAMPLER", user)
+        serve.serve(["--model", str(tiny_model), "--adapters", str(tmp_path), "--port", str(free_port())])
+        assert seen[-1][0] == expected and "--enable-lora" in seen[-1][1]
