@@ -233,7 +233,8 @@ def load_lora_state(model, adapter_file: Path):
 
 # ----------------------------------------------------------------------------- checkpoints
 
-def save(cfg, model, optimizer, scheduler, lora_state, step, stream, hours, out: Path, base) -> Path | None:
+def save(cfg, model, optimizer, scheduler, lora_state, step, stream, hours, out: Path, base,
+         mismatch_bound: float | None = None) -> Path | None:
     """Rank 0 writes the checkpoint into a hidden temp dir and returns it; `publish` makes it
     step_<N> once the step's metrics line is written (a crash before that redoes the step).
     Collective. A failed write (disk full, ...) stops every rank and leaves the previous one."""
@@ -245,7 +246,8 @@ def save(cfg, model, optimizer, scheduler, lora_state, step, stream, hours, out:
     tmp, error = None, None
     if dist.get_rank() == 0:
         meta = {"step": step, "stream": stream.state_dict(), "process_hours": hours,
-                "world_size": dist.get_world_size(), "config": dataclasses.asdict(cfg)}
+                "world_size": dist.get_world_size(), "config": dataclasses.asdict(cfg),
+                "mismatch_bound": mismatch_bound}  # the stale-policy guard's, calibrated (policy.StalePolicyGuard)
         trainer_state = {"optimizer": optim_state, "scheduler": scheduler.state_dict(), "rng": rngs}
         try:
             tmp = write_checkpoint(out, step, model, lora_state, trainer_state, meta, base)
@@ -308,6 +310,11 @@ def load(path: Path, cfg, model, optimizer, scheduler, stream, log=print) -> tup
     log(f"resumed from {path} at step {meta['step']} (training maze stream at {stream.position}"
         + (f", torchrun restart {restart})" if restart != "0" else ")"))
     return meta["step"], meta["process_hours"]
+
+
+def saved_meta(path: Path) -> dict:
+    """A (verified) checkpoint's meta.json."""
+    return json.loads((path / "meta.json").read_text())
 
 
 def rng_states() -> dict:

@@ -42,6 +42,14 @@ LORA_RANK = {"tiny": 32, "real": 32}  # tiny: 8 until 2026-12-03 (step 1a's ceil
 # so a real Qwen3-VL keeps the published recipe's plain GRPO unless asked.
 BRANCH_POINTS = {"tiny": 2, "real": 0}
 MAX_NEW_TOKENS = {"tiny": 8, "real": 32}  # a tiny-model reply is one move; a real model's is a sentence
+# Mazes a step: the tiny main job's 4 (one process); a real model's 48, which divides among the
+# 1, 2, 3, 4, 6 (the published run's), 8, 12, 16, 24 and 48 processes of common launches
+# (tests/test_config.py starts every documented launch command at its world size).
+PROMPTS_PER_STEP = {"tiny": 4, "real": 48}
+# Tokens a micro-batch may hold (padded): none for the tiny model (its micro-batch is 16 short
+# sequences); 16k for a real one, which fits the update of Qwen3-VL-8B (and 2B) on 80 and 141 GB
+# GPUs in every engine-sleep mode that bench/sizing.py names (the same formula: its table).
+MICRO_BATCH_TOKENS = {"tiny": 0, "real": 16384}
 
 
 @dataclass
@@ -69,7 +77,9 @@ class TaskConfig:
 class GRPOConfig:
     _argument_group_name = "GRPO (rollouts, rewards and the loss)"
     steps: int = setting(150, "training steps (one rollout batch and its update each)")
-    prompts_per_step: int = setting(4, "mazes per step over all ranks; each is played group_size times",
+    prompts_per_step: int = setting(0, "mazes per step over all ranks; each is played group_size times; 0: "
+                                       f"{PROMPTS_PER_STEP['tiny']} for the tiny model, {PROMPTS_PER_STEP['real']} "
+                                       "for a real Qwen3-VL (it divides among 1, 6, 8 or 16 processes)",
                                     meaningful=True)
     group_size: int = setting(8, "episodes per maze: the group whose mean reward is the baseline", meaningful=True)
     temperature: float = setting(0.5, "rollout sampling temperature; the loss uses the same tempered policy",
@@ -111,6 +121,9 @@ class OptimConfig:
     ppo_epochs: int = setting(1, "passes over each rollout batch (PPO's sample reuse; the clip bounds the drift)",
                               meaningful=True)
     micro_batch_size: int = setting(16, "sequences per forward/backward (memory only: the gradient is the same)")
+    micro_batch_tokens: int = setting(-1, "and at most this many tokens, padded, per forward/backward (memory "
+                                          f"only); -1: {MICRO_BATCH_TOKENS['real']} for a real Qwen3-VL, no limit "
+                                          "(0) for the tiny model")
 
 
 @dataclass
@@ -133,8 +146,8 @@ class EngineConfig:
                                            "host RAM) | kv (drop only the KV cache) | none | auto (decides after "
                                            "the first step; rollout.EngineSleep). CPU: always none")
     mismatch_bound: float = setting(0.0, "stop when the trainer-vs-engine logprob mismatch stays above this for "
-                                         "mismatch_steps steps in a row (a stale adapter in the engine); 0: the "
-                                         "stack's own (policy.StalePolicyGuard)")
+                                         "mismatch_steps steps in a row (a stale adapter in the engine); 0: 5x the "
+                                         "stack's noise, measured at the first step (policy.StalePolicyGuard)")
     mismatch_steps: int = setting(3, "steps in a row over the bound before stopping; 0: never stop")
 
 
@@ -194,8 +207,10 @@ class Config(*reversed(SECTIONS)):
             problems.append("lr_schedule must be constant or cosine")
         if self.branch_points_per_group < -1 or self.branch_weight <= 0:
             problems.append("branch_points_per_group must be >= 0 (-1: the model's default) and branch_weight > 0")
-        if self.tis_cap < 0 or self.train_pool < 0 or self.sampled_eval_samples < 0 or self.max_new_tokens < 0:
-            problems.append("tis_cap, train_pool, sampled_eval_samples and max_new_tokens must be >= 0")
+        if self.tis_cap < 0 or self.train_pool < 0 or self.sampled_eval_samples < 0 or self.max_new_tokens < 0 \
+                or self.prompts_per_step < 0 or self.micro_batch_tokens < -1:
+            problems.append("tis_cap, train_pool, sampled_eval_samples, max_new_tokens, prompts_per_step and "
+                            "micro_batch_tokens must be >= 0 (-1: the model's default for the last)")
         for name in ("steps", "ppo_epochs", "max_turns", "micro_batch_size", "eval_interval",
                      "ckpt_interval", "export_interval", "keep_checkpoints", "keep_syncs"):
             if getattr(self, name) < 1:
@@ -216,6 +231,13 @@ class Config(*reversed(SECTIONS)):
         from transformers import AutoConfig
 
         kind = "tiny" if AutoConfig.from_pretrained(model_path).text_config.hidden_size < TINY_HIDDEN_SIZE else "real"
+        self.resolve_defaults_for(kind)
+
+    def resolve_defaults_for(self, kind: str):
+        """The model-dependent defaults of a "tiny" or a "real" model (resolve_model_defaults)."""
+        self.prompts_per_step = self.prompts_per_step or PROMPTS_PER_STEP[kind]
+        if self.micro_batch_tokens == -1:
+            self.micro_batch_tokens = MICRO_BATCH_TOKENS[kind]
         self.lora_rank = self.lora_rank or LORA_RANK[kind]
         self.lora_alpha = self.lora_alpha or 2 * self.lora_rank
         self.max_new_tokens = self.max_new_tokens or MAX_NEW_TOKENS[kind]

@@ -47,6 +47,20 @@ def init_distributed() -> tuple[int, int, int]:
     return dist.get_rank(), dist.get_world_size(), local_rank
 
 
+DOWNLOAD_TIMEOUT_S = 4 * 3600  # how long the other ranks wait while local rank 0 downloads the model
+
+
+def wait_on_cpu(timeout_s: float = DOWNLOAD_TIMEOUT_S):
+    """A barrier over gloo with a stated timeout, for waits that are not GPU work (a download by
+    one rank). A plain barrier on a GPU runs over NCCL, whose watchdog ends the job after its
+    10-minute default: a first run on a node without the model cached would not survive it."""
+    from datetime import timedelta
+
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+    dist.barrier(group=group)
+    dist.destroy_process_group(group)
+
+
 def shard_group_size(requested: int = 0) -> int:
     """Processes that share one copy of the policy (FSDP shards within, replicas across groups).
 

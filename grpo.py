@@ -384,6 +384,42 @@ def token_logprobs(logits: Tensor, target_ids: Tensor, temperature: float = 1.0,
     return torch.stack(out) if out else logits.new_zeros(target_ids.shape, dtype=torch.float32)
 
 
+LOGITS_CHUNK = 1024  # positions whose logits exist at once in chunked_token_logprobs (bench/sizing.py counts it)
+
+
+def chunked_token_logprobs(hidden: Tensor, head_weight: Tensor, target_ids: Tensor, temperature: float = 1.0,
+                           logit_bias: dict[int, float] | None = None, chunk: int = LOGITS_CHUNK) -> Tensor:
+    """token_logprobs from the final hidden states, without [B, T, V] logits: [B, T, H], [V, H], [B, T] -> [B, T].
+
+    The same numbers as token_logprobs(hidden @ head_weight^T, ...): logits in the model's dtype,
+    then float32. But a real vocabulary is large (Qwen3-VL: V = 151,936; 4k tokens of fp32 logits
+    are 2.5 GB, and autograd would keep them all, with the model's bf16 logits, until backward).
+    Here positions go through `chunk` at a time under activation checkpointing: autograd keeps only
+    the hidden states (H numbers a token), and one chunk's logits exist at a time, in the forward
+    pass and again when backward recomputes them. Memory then follows a micro-batch's tokens, not
+    tokens x vocabulary (bench/sizing.py counts it that way)."""
+    from torch.utils.checkpoint import checkpoint
+
+    B, T, H = hidden.shape
+    bias = None
+    if logit_bias:
+        bias = torch.zeros(head_weight.shape[0], dtype=torch.float32, device=hidden.device)
+        bias[list(logit_bias)] = torch.tensor(list(logit_bias.values()), dtype=torch.float32, device=hidden.device)
+    flat_hidden, flat_targets = hidden.reshape(B * T, H), target_ids.reshape(B * T)
+    parts = [checkpoint(_chunk_logprobs, flat_hidden[i:i + chunk], head_weight, flat_targets[i:i + chunk],
+                        temperature, bias, use_reentrant=False)
+             for i in range(0, B * T, chunk)]
+    return torch.cat(parts).view(B, T) if parts else hidden.new_zeros((B, T), dtype=torch.float32)
+
+
+def _chunk_logprobs(hidden: Tensor, head_weight: Tensor, targets: Tensor, temperature: float,
+                    bias: Tensor | None) -> Tensor:
+    # log p(y) = z_y - logsumexp(z),  z = (h W^T + bias) / T, in float32 as token_logprobs
+    z = torch.nn.functional.linear(hidden, head_weight).float()
+    z = (z if bias is None else z + bias) / temperature
+    return z.gather(-1, targets.long().unsqueeze(-1)).squeeze(-1) - torch.logsumexp(z, dim=-1)
+
+
 def sampled_mask(response_mask: Tensor, rollout_logprobs: Tensor) -> Tensor:
     """The trained tokens the engine sampled: response tokens whose rollout log-prob is not NaN
     (rollout.NO_LOGPROB marks a forced reply, which the engine never sampled)."""

@@ -135,7 +135,7 @@ def resolve_model(model: str, collective: bool = True) -> str:
 
         path = str(tiny_model.ensure_tiny_model()) if first else ""
         if collective:
-            dist.barrier()
+            distributed.wait_on_cpu()  # gloo, with a long timeout: never NCCL's 10 minutes
         return path or str(tiny_model.ensure_tiny_model())
     local = Path(model).expanduser()
     if local.exists() or not re.fullmatch(r"[\w.-]+(/[\w.-]+)?", model):
@@ -155,7 +155,7 @@ def resolve_model(model: str, collective: bool = True) -> str:
 
     path = download(offline=False) if first else ""
     if collective:
-        dist.barrier()
+        distributed.wait_on_cpu()  # the download may take long: gloo, with a long timeout
     return check_model_dir(Path(path or download(offline=True)))
 
 
@@ -296,11 +296,23 @@ def takes_encoder_outputs() -> bool:
 def sequence_logprobs(model, inputs: dict, temperature: float = 1.0, banned_token_ids=()) -> torch.Tensor:
     """Log-probs of each next token under the policy the engine sampled from, as the engine reports
     them: at T = 1 the model's own, at another temperature those of the tempered distribution after
-    the engine's logit bias against `banned_token_ids` (rollout.logprobs_mode)."""
-    logits = model(**inputs).logits
+    the engine's logit bias against `banned_token_ids` (rollout.logprobs_mode).
+
+    The model runs without its LM head over the sequence (it computes the last position's logits
+    only, logits_to_keep=1); the final hidden states, caught as the last norm's output, go through
+    the head a chunk at a time (grpo.chunked_token_logprobs), so that no full-vocabulary logits
+    are ever held for backward."""
+    hidden = []
+    hook = qwen3_vl_model(model).language_model.norm.register_forward_hook(lambda m, i, out: hidden.append(out))
+    try:
+        model(**inputs, logits_to_keep=1)
+    finally:
+        hook.remove()
     processed = rollout.logprobs_mode(temperature) == "processed_logprobs"
     bias = rollout.sampling_logit_bias(banned_token_ids) if processed else None
-    return grpo.token_logprobs(logits[:, :-1], inputs["input_ids"][:, 1:], temperature, bias)
+    # (after the root FSDP unit's forward its own parameters, the head among them, stay gathered)
+    head = model.get_output_embeddings().weight
+    return grpo.chunked_token_logprobs(hidden[-1][:, :-1], head, inputs["input_ids"][:, 1:], temperature, bias)
 
 
 def pad_rows(rows: list, device) -> torch.Tensor:
@@ -310,17 +322,27 @@ def pad_rows(rows: list, device) -> torch.Tensor:
     return out
 
 
-def synced_micro_batches(indices: list[int], size: int, length=None) -> list:
+def synced_micro_batches(indices: list[int], size: int, length=None, max_tokens: int = 0) -> list:
     """Micro-batches of `indices`, padded with None up to the largest count on any rank.
 
     With `length` (index -> token count) the sequences are sorted longest first, so each
     micro-batch holds sequences of similar length and little compute goes to padding. The
-    gradient is a sum over sequences, so the order does not change it. FSDP's forward and
-    backward are collectives, so every rank must run the same number of them; ranks with fewer
-    sequences run a zero-weight filler (None)."""
+    gradient is a sum over sequences, so the order does not change it. A micro-batch holds at
+    most `size` sequences and, with `max_tokens`, at most that many tokens once padded to its
+    longest (count x longest): what the update's memory follows (bench/sizing.py); a sequence
+    longer than the budget goes alone. FSDP's forward and backward are collectives, so every rank
+    must run the same number of them; ranks with fewer sequences run a zero-weight filler (None)."""
     if length is not None:
         indices = sorted(indices, key=length, reverse=True)
-    local = [indices[i:i + size] for i in range(0, len(indices), size)]
+    local = []
+    for i in indices:
+        current = local[-1] if local else None
+        fits = current is not None and len(current) < size and (
+            max_tokens <= 0 or length is None or (len(current) + 1) * length(current[0]) <= max_tokens)
+        if fits:
+            current.append(i)
+        else:
+            local.append([i])
     return local + [None] * (int(distributed.max_over_ranks(len(local))) - len(local))
 
 
@@ -339,11 +361,11 @@ class MismatchMeter:
         self.worst = max(self.worst, m["mismatch_abs_max"])
 
     def result(self) -> dict:
-        """Reduced over all ranks (a collective: every rank must call it)."""
+        """Reduced over all ranks (a collective: every rank must call it). mismatch_tokens 0: nothing
+        was measured (the step trained no sampled token), and the means say nothing."""
         abs_sum, k3_sum, tokens = distributed.sum_over_ranks(self.sums)
-        tokens = max(tokens, 1.0)
-        return {"mismatch_abs_mean": abs_sum / tokens, "mismatch_k3": k3_sum / tokens,
-                "mismatch_abs_max": distributed.max_over_ranks(self.worst)}
+        return {"mismatch_abs_mean": abs_sum / max(tokens, 1.0), "mismatch_k3": k3_sum / max(tokens, 1.0),
+                "mismatch_abs_max": distributed.max_over_ranks(self.worst), "mismatch_tokens": tokens}
 
 
 class StalePolicyGuard:
@@ -353,25 +375,47 @@ class StalePolicyGuard:
     over ranks, so every rank decides alike) sits at the stack's own noise when the sync works:
     ~1e-7 on a CPU in fp32, ~1e-3..1e-2 on a GPU in bf16, which TIS absorbs. A stale adapter in
     the engine (a reused id, a sync that did not land, an adapter lost after sleep/wake: vLLM
-    issue 53888) shows as a mismatch far above that, step after step; training on such samples is
-    training on another policy's data. After `steps` steps in a row above `bound`, one line and
-    exit. bound 0 picks the stack's: 1e-3 on CPU (about 1,000x its noise; a skipped sync of the
-    tiny model measured ~0.2), 0.1 on GPU (10x the top of bf16's normal range). steps 0: off."""
+    issue 53888) shows as a mismatch above that, growing step after step as the trained policy
+    moves away from the one the engine still serves; training on such samples is training on
+    another policy's data. After `steps` steps in a row above the bound, one line and exit.
 
-    DEFAULT_BOUND = {"cpu": 1e-3, "gpu": 0.1}
+    The bound is the stack's noise times NOISE_FACTOR, measured where nothing else can be in it:
+    the first step of a fresh run, whose LoRA is PEFT's initial one (B = 0: the base model, with
+    or without the adapter in the engine), every sampled sequence measured (`calibrating`). It is
+    never below FLOOR (1e-3 on a CPU, ~1,000x its noise; a skipped sync of the tiny model measured
+    ~0.2), and a checkpoint carries it (`bound`), so a resumed run keeps it. Given (--mismatch-bound)
+    it is fixed; a run resumed from a checkpoint without one takes LEGACY_BOUND. A step that
+    measured no token (every group without reward spread: the update ran no sequence) is no
+    evidence either way: it neither counts nor breaks a streak. steps 0: off."""
 
-    def __init__(self, bound: float = 0.0, steps: int = 3, on_gpu: bool = False):
-        self.bound = bound or self.DEFAULT_BOUND["gpu" if on_gpu else "cpu"]
+    NOISE_FACTOR = 5.0
+    FLOOR = {"cpu": 1e-3, "gpu": 2e-3}
+    LEGACY_BOUND = {"cpu": 1e-3, "gpu": 0.1}  # the fixed bounds before calibration
+
+    def __init__(self, bound: float = 0.0, steps: int = 3, on_gpu: bool = False, start_step: int = 0,
+                 saved_bound: float | None = None):
+        self.stack = "gpu" if on_gpu else "cpu"
+        self.bound = bound or saved_bound or (None if start_step == 0 else self.LEGACY_BOUND[self.stack])
         self.steps = steps
         self.above = []  # the mismatches of the current run of steps above the bound
 
-    def check(self, step: int, mismatch: float):
+    @property
+    def calibrating(self) -> bool:
+        """The next step measures the noise: the update measures every sampled sequence."""
+        return self.bound is None
+
+    def check(self, step: int, mismatch: float, tokens: float = 1.0):
+        if tokens == 0:
+            return
+        if self.bound is None:
+            self.bound = max(self.FLOOR[self.stack], self.NOISE_FACTOR * mismatch)
+            return
         self.above = self.above + [mismatch] if mismatch > self.bound else []
         if self.steps and len(self.above) >= self.steps:
             raise SystemExit(
                 f"step {step}: the trainer's and the engine's log-probs of the sampled tokens differ by "
                 f"{', '.join(f'{m:.3g}' for m in self.above[-self.steps:])} (mean |difference|) in {self.steps} "
-                f"steps in a row, above the bound {self.bound:g}: the engine is not sampling from the policy "
+                f"steps in a row, above the bound {self.bound:.3g}: the engine is not sampling from the policy "
                 "being trained. Likely causes: the new adapter did not reach the engine (a reused LoRA id or "
                 "path, a failed or skipped sync, an adapter lost in sleep/wake), a temperature or logprob mode "
                 "that differs between engine and trainer, or another base model in the engine. Stopped before "
@@ -379,13 +423,13 @@ class StalePolicyGuard:
 
 
 @torch.no_grad()
-def fill_old_logprobs(model, batch: Batch, experiences: list, micro_batch_size: int, device, temperature: float,
-                      with_ref: bool) -> dict:
+def fill_old_logprobs(model, batch: Batch, experiences: list, cfg, device, with_ref: bool) -> dict:
     """pi_old (and pi_ref for the KL) of every sampled token, when the update is not single-pass;
     also the proof that the engine sampled from this same policy (the mismatch)."""
-    mismatch = MismatchMeter()
+    mismatch, temperature = MismatchMeter(), cfg.temperature
     model.eval()
-    for idx in synced_micro_batches(list(range(len(experiences))), micro_batch_size, batch.length):
+    for idx in synced_micro_batches(list(range(len(experiences))), cfg.micro_batch_size, batch.length,
+                                    cfg.micro_batch_tokens):
         inputs, mask, rollout_lp = batch.micro([0] if idx is None else idx, device)
         lp = sequence_logprobs(model, inputs, temperature, batch.banned_token_ids)
         ref = None
@@ -421,7 +465,7 @@ def single_pass(cfg) -> bool:
 
 
 def grpo_update(cfg, model, optimizer, scheduler, batch: Batch, experiences: list, num_episodes: int,
-                device) -> dict:
+                device, measure_every_sequence: bool = False) -> dict:
     """Mini-batches of episodes (one optimizer step each) of micro-batches of their sequences.
 
     Without old logprobs (single pass) the ratio is exp(logp - logp.detach()) = 1 with the
@@ -431,11 +475,13 @@ def grpo_update(cfg, model, optimizer, scheduler, batch: Batch, experiences: lis
     normaliser, so the update is the same as if they had been run, only cheaper.
 
     Otherwise (mini-batches, epochs or a KL term) pi_old, and pi_ref for the KL, are computed
-    first, before the first optimizer step moves the policy (fill_old_logprobs)."""
+    first, before the first optimizer step moves the policy (fill_old_logprobs).
+
+    measure_every_sequence runs the zero-advantage sequences too (their gradient is still exactly
+    zero), so that the mismatch covers every sampled token: StalePolicyGuard's calibration step."""
     before = {}
     if not single_pass(cfg):
-        before = fill_old_logprobs(model, batch, experiences, cfg.micro_batch_size, device, cfg.temperature,
-                                   with_ref=cfg.kl_coef > 0)
+        before = fill_old_logprobs(model, batch, experiences, cfg, device, with_ref=cfg.kl_coef > 0)
     model.train()
     params = [p for group in optimizer.param_groups for p in group["params"]]
     per_mini = num_episodes // cfg.num_mini_batches
@@ -449,11 +495,11 @@ def grpo_update(cfg, model, optimizer, scheduler, batch: Batch, experiences: lis
         count = sum(sum(experiences[i].sequence.response_mask) if cfg.loss_aggregation == "token-mean" else 1
                     for i in in_mini)
         normalizer = distributed.sum_over_ranks([count])[0] / dist.get_world_size()
-        if cfg.kl_coef == 0:
+        if cfg.kl_coef == 0 and not measure_every_sequence:
             in_mini = [i for i in in_mini if bool(experiences[i].advantages.any())]
         trained += len(in_mini)
         optimizer.zero_grad(set_to_none=True)
-        for idx in synced_micro_batches(in_mini, cfg.micro_batch_size, batch.length):
+        for idx in synced_micro_batches(in_mini, cfg.micro_batch_size, batch.length, cfg.micro_batch_tokens):
             rows = [0] if idx is None else idx  # a filler runs any one sequence, with weight 0
             inputs, mask, rollout_lp = batch.micro(rows, device)
             lp = sequence_logprobs(model, inputs, cfg.temperature, batch.banned_token_ids)

@@ -122,13 +122,18 @@ def engine_arguments(model: str, *, max_model_len: int, max_lora_rank: int, seed
 ENGINE_SLEEP_MODES = ("auto", "offload", "kv", "none")
 
 
+def engine_reserve(total_bytes: float) -> float:
+    """What kv mode keeps free beside the engine's weights: 5% of the GPU, at least 2 GiB."""
+    return max(0.05 * total_bytes, 2 * 2**30)
+
+
 def choose_engine_sleep(headroom_bytes: float, weights_bytes: float, total_bytes: float) -> tuple[str, str]:
     """auto's choice, from what the first step measured: "kv" if the GPU memory that stayed free
     during the trainer's update, with the engine fully asleep, would also hold the engine's
     weights plus a reserve (5% of the GPU, at least 2 GiB: the CUDA graphs, LoRA buffers and
     workspace that stay with them); else "offload". Returns (mode, the reason in words)."""
     gib = 2**30
-    reserve = max(0.05 * total_bytes, 2 * gib)
+    reserve = engine_reserve(total_bytes)
     fits = headroom_bytes >= weights_bytes + reserve
     return ("kv" if fits else "offload",
             f"--engine-sleep auto: {headroom_bytes / gib:.1f} GiB stayed free during the update with the engine "
@@ -171,7 +176,10 @@ class EngineSleep:
       none     the engine keeps everything (its gpu_memory_utilization share) while the trainer
                runs beside it; vLLM's sleep-mode allocator is not even set up.
       auto     offload on the first step, where it measures what stayed free during the update,
-               then kv if the weights fit there (choose_engine_sleep); it says what it chose.
+               then kv if the weights fit there (choose_engine_sleep); it says what it chose. In kv
+               it measures again every step, and when what stays free during an update falls
+               below the reserve (a longer batch than the first), it goes back to offload for
+               good, in one line, before a longer one runs out of memory.
 
     Level 2 (weights discarded, reloaded from disk on wake) is not offered: the base never
     changes in a LoRA run, so a reload every step would only add disk reads, and level 2 with
@@ -189,6 +197,7 @@ class EngineSleep:
         self.mode = mode if on_gpu else "none"
         self.weights_bytes, self.log, self.memory = weights_bytes, log, memory
         self.worst_over_ranks = worst_over_ranks or (lambda x: x)  # every rank must choose alike
+        self.auto = self.mode == "auto"  # measuring, and choosing again, each step
         self.asleep, self._measure = False, None
 
     def sleep(self, engine):
@@ -199,16 +208,23 @@ class EngineSleep:
             engine.sleep(level=0)  # pause: release_kv_cache_memory needs an idle engine
             engine.release_kv_cache_memory()
         self.asleep = mode != "none"
-        if self.mode == "auto":
+        if self.auto and self.mode in ("auto", "kv"):
             self._measure = (self.memory.free(), self.memory.start_peak())
 
     def wake(self, engine):
-        if self.mode == "auto" and self._measure is not None:
+        if self._measure is not None:
             free_after_sleep, reserved_at_start = self._measure
-            headroom = free_after_sleep - (self.memory.peak() - reserved_at_start)
-            self.mode, reason = choose_engine_sleep(-self.worst_over_ranks(-headroom), self.weights_bytes,
-                                                    self.memory.total())
-            self.log(reason)
+            self._measure = None
+            # what stayed free while the trainer updated, on the rank where the least did
+            headroom = -self.worst_over_ranks(-(free_after_sleep - (self.memory.peak() - reserved_at_start)))
+            if self.mode == "auto":
+                self.mode, reason = choose_engine_sleep(headroom, self.weights_bytes, self.memory.total())
+                self.log(reason)
+            elif headroom < engine_reserve(self.memory.total()):  # kv, with the weights on the GPU
+                self.mode = "offload"
+                self.log(f"--engine-sleep auto: only {headroom / 2**30:.1f} GiB stayed free during this update "
+                         f"with the engine's weights on the GPU, under the {engine_reserve(self.memory.total()) / 2**30:.1f}"
+                         " GiB reserve: back to offloading them to host RAM from the next step on (offload)")
         if self.asleep:
             engine.wake_up()  # all tags: weights (if offloaded), KV cache, and the scheduler resumes
             self.asleep = False

@@ -145,7 +145,8 @@ def main(cfg: Config):
     on_gpu = torch.cuda.is_available()
     device = torch.device("cuda", local_rank) if on_gpu else torch.device("cpu")
     model_path = policy.resolve_model(cfg.model)  # downloads once per node, then every rank loads it
-    cfg.resolve_model_defaults(model_path)  # LoRA rank and reply length: the tiny model's or a real one's
+    cfg.resolve_model_defaults(model_path)  # batch, LoRA rank, reply length: the tiny model's or a real one's
+    cfg.validate(world)  # again, with them
     base = checkpoint.base_model_record(model_path)
     out, shared = Path(cfg.out_dir), Path(cfg.shared_dir or Path(cfg.out_dir) / "shared")
     # the run lock, the checkpoint to resume from, and no fresh start over another run's files
@@ -165,7 +166,8 @@ def main(cfg: Config):
     engine = build_rank_engine(cfg, model_path, rank)
     sleeper = rollout.EngineSleep(cfg.engine_sleep, on_gpu, weights_bytes=policy.base_weight_bytes(model), log=log0,
                                   worst_over_ranks=distributed.max_over_ranks)
-    guard = policy.StalePolicyGuard(cfg.mismatch_bound, cfg.mismatch_steps, on_gpu)
+    guard = policy.StalePolicyGuard(cfg.mismatch_bound, cfg.mismatch_steps, on_gpu, start_step,
+                                    checkpoint.saved_meta(Path(ckpt)).get("mismatch_bound") if ckpt else None)
     lora_request, lora_state, _ = sync(model, engine, shared, start_step, cfg, base)
     if (start_step == 0 or start_step % cfg.eval_interval == 0) and not rundir.has_eval(out, start_step, run):
         evaluate(cfg, engine, chat, lora_request, start_step, out, run)
@@ -211,7 +213,8 @@ def main(cfg: Config):
         # 3. the update: the policy-gradient loss on the sampled tokens (policy.grpo_update)
         t0 = time.time()
         batch = policy.Batch([x.sequence for x in experiences], chat.processor, model)
-        metrics.update(policy.grpo_update(cfg, model, optimizer, scheduler, batch, experiences, len(episodes), device))
+        metrics.update(policy.grpo_update(cfg, model, optimizer, scheduler, batch, experiences, len(episodes), device,
+                                          measure_every_sequence=guard.calibrating))
         del batch  # its cached image features
         timing["update_s"] = time.time() - t0
 
@@ -229,7 +232,8 @@ def main(cfg: Config):
         ckpt_tmp = None
         if done % cfg.ckpt_interval == 0 or done == cfg.steps:
             saved_step = done
-            ckpt_tmp = checkpoint.save(cfg, model, optimizer, scheduler, lora_state, done, stream, hours, out, base)
+            ckpt_tmp = checkpoint.save(cfg, model, optimizer, scheduler, lora_state, done, stream, hours, out, base,
+                                       mismatch_bound=guard.bound)
         if rank == 0 and (done % cfg.export_interval == 0 or done == cfg.steps):
             checkpoint.write_adapter(model, lora_state, out / "adapters" / f"step_{done}", base)
         timing["checkpoint_s"], timing["step_s"] = time.time() - t0, time.time() - step_start
@@ -240,12 +244,13 @@ def main(cfg: Config):
                 checkpoint.publish(out, ckpt_tmp, done, cfg.keep_checkpoints)
             bar.set_postfix(reward=f"{metrics['reward_mean']:.2f}", mismatch=f"{metrics['mismatch_abs_mean']:.1e}",
                             step_s=f"{timing['step_s']:.1f}")
-        guard.check(done, metrics["mismatch_abs_mean"])  # the same reduced figure on every rank
+        guard.check(done, metrics["mismatch_abs_mean"], metrics["mismatch_tokens"])  # the same on every rank
 
     bar.close()
     if stopped:  # the last completed step is `step`: checkpointed, unless it already is
         if saved_step != step:
-            ckpt_tmp = checkpoint.save(cfg, model, optimizer, scheduler, lora_state, step, stream, hours, out, base)
+            ckpt_tmp = checkpoint.save(cfg, model, optimizer, scheduler, lora_state, step, stream, hours, out, base,
+                                       mismatch_bound=guard.bound)
             if rank == 0:
                 checkpoint.publish(out, ckpt_tmp, step, cfg.keep_checkpoints)
         if rank == 0:

@@ -16,10 +16,12 @@ each rank holding one engine and one FSDP2 shard (README, "On GPUs"):
                       two decoder layers gathered at a time during forward and backward
   LoRA + optimizer    fp32 LoRA weights, gradients and Adam's two moments: 16 bytes a LoRA parameter,
                       sharded
-  activations         per micro-batch of `tokens`, with activation checkpointing: every layer's input
-                      kept (tokens x hidden x 2 bytes each), one layer's working set recomputed
-                      (ACTIVATION_WIDTH, a rule of thumb), and the logits (bf16 out, its gradient, and
-                      grpo.token_logprobs' fp32 copy of a row: 8 bytes a token and vocabulary entry)
+  activations         per micro-batch of `tokens` (the recipe's budget, config.MICRO_BATCH_TOKENS), with
+                      activation checkpointing: every layer's input kept (tokens x hidden x 2 bytes
+                      each), one layer's working set recomputed (ACTIVATION_WIDTH, a rule of thumb),
+                      the final hidden states, and one chunk of logits: grpo.chunked_token_logprobs
+                      computes grpo.LOGITS_CHUNK positions' logits at a time and keeps none for
+                      backward (LOGIT_BYTES a chunk entry: bf16 out, fp32 copy, tempered, exp, grad)
   context             CUDA context, NCCL buffers, allocator slack: CONTEXT_GIB, a rule of thumb
 
 Which --engine-sleep fits (rollout.EngineSleep): during rollouts the engine's share and the
@@ -37,6 +39,7 @@ GIB = 2**30
 ENGINE_RUNTIME_GIB = 2.0  # vLLM's profiling peak and CUDA graphs beside weights and KV cache (rule of thumb)
 CONTEXT_GIB = 1.5  # CUDA context, NCCL buffers, allocator slack per process (rule of thumb)
 ACTIVATION_WIDTH = (10, 4)  # one layer's recompute: ~10 x hidden + 4 x intermediate values a token (rule of thumb)
+LOGIT_BYTES = 18  # per entry of one chunk's [chunk, vocab] logits, live at once (see the docstring)
 
 # The published shapes, for the table (a real config.json can always be given instead). The 8B one
 # is bench/shapes.py's; the 2B one as Qwen/Qwen3-VL-2B-Instruct's config.json gives it, as read from
@@ -101,16 +104,35 @@ def kv_bytes_per_token(text: dict) -> int:
 
 
 def activation_bytes_per_token(text: dict) -> int:
-    """Saved layer inputs, one layer's recompute and the logits, per token of a micro-batch."""
+    """Saved layer inputs, one layer's recompute and the final hidden state, per token of a micro-batch."""
     h, i = text["hidden_size"], text["intermediate_size"]
-    return (text["num_hidden_layers"] * h * 2 + (ACTIVATION_WIDTH[0] * h + ACTIVATION_WIDTH[1] * i) * 2
-            + text["vocab_size"] * 8)
+    return (text["num_hidden_layers"] + 1) * h * 2 + (ACTIVATION_WIDTH[0] * h + ACTIVATION_WIDTH[1] * i) * 2
+
+
+def logits_chunk_bytes(text: dict) -> int:
+    """One chunk of logits (grpo.chunked_token_logprobs): the same whatever the micro-batch's length."""
+    import grpo
+
+    return grpo.LOGITS_CHUNK * text["vocab_size"] * LOGIT_BYTES
+
+
+def update_activation_bytes(text: dict, tokens: int) -> int:
+    """What the update's forward and backward hold for a micro-batch of `tokens` (padded)."""
+    return tokens * activation_bytes_per_token(text) + logits_chunk_bytes(text)
+
+
+def recipe_tokens() -> int:
+    """The real-model recipe's micro-batch token budget (config.MICRO_BATCH_TOKENS): what train.py uses."""
+    import config
+
+    return config.MICRO_BATCH_TOKENS["real"]
 
 
 def estimate(config: dict, gpu_gib: float, gpus_per_node: int, *, gpu_memory_utilization: float = 0.45,
-             lora_rank: int = 32, tokens: int = 8192) -> dict:
+             lora_rank: int = 32, tokens: int | None = None) -> dict:
     """GiB per GPU of each piece, the update's peak, and the cheapest engine sleep mode that fits."""
     text = config["text_config"]
+    tokens = tokens or recipe_tokens()
     n = parameter_counts(config)
     lora = lora_parameters(text, lora_rank)
     h, i, vocab, layers = text["hidden_size"], text["intermediate_size"], text["vocab_size"], text["num_hidden_layers"]
@@ -119,7 +141,7 @@ def estimate(config: dict, gpu_gib: float, gpus_per_node: int, *, gpu_memory_uti
         "trainer_shard": (2 * n["language"] / gpus_per_node + 2 * n["vision"]) / GIB,
         "trainer_gathered": 2 * (n["embeddings"] + n["lm_head"] + 2 * n["decoder_layer"]) / GIB,
         "lora_and_optimizer": 16 * lora / gpus_per_node / GIB,
-        "activations": tokens * activation_bytes_per_token(text) / GIB,
+        "activations": update_activation_bytes(text, tokens) / GIB,
         "context": CONTEXT_GIB,
     }
     engine_share = gpu_memory_utilization * gpu_gib
@@ -131,8 +153,8 @@ def estimate(config: dict, gpu_gib: float, gpus_per_node: int, *, gpu_memory_uti
     fitting = [m for m in ("none", "kv", "offload") if fits_rollout and update_peak + keeps[m] <= gpu_gib]
     mode = fitting[0] if fitting else "does not fit"
     # the longest micro-batch (tokens) each mode leaves room for
-    room = {m: (gpu_gib - keeps[m] - update_peak + pieces["activations"]) * GIB / activation_bytes_per_token(text)
-            for m in keeps}
+    room = {m: ((gpu_gib - keeps[m] - update_peak + pieces["activations"]) * GIB - logits_chunk_bytes(text))
+               / activation_bytes_per_token(text) for m in keeps}
     max_tokens = {m: int(max(room[m], 0) // 1024) for m in ("none", "kv", "offload")}
     return {**{k: round(v, 2) for k, v in pieces.items()},
             "engine_share": round(engine_share, 2), "kv_cache": round(max(kv, 0.0), 2),
@@ -168,7 +190,8 @@ def main():
     parser.add_argument("--gpus-per-node", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.45)
     parser.add_argument("--lora-rank", type=int, default=32)
-    parser.add_argument("--tokens", type=int, default=8192, help="tokens per micro-batch (the recipe's longest input)")
+    parser.add_argument("--tokens", type=int, default=None,
+                        help="tokens per micro-batch; default: the recipe's budget (config.MICRO_BATCH_TOKENS)")
     args = parser.parse_args()
     configs = ({Path(args.config).parent.name: json.loads(Path(args.config).read_text())} if args.config
                else {"Qwen3-VL-8B": qwen3_vl_8b(), "Qwen3-VL-2B": QWEN3_VL_2B})
@@ -177,7 +200,8 @@ def main():
                         lora_rank=args.lora_rank, tokens=args.tokens)}
             for name, config in configs.items() for gpu in args.gpu_gib for per_node in args.gpus_per_node]
     print(f"ESTIMATE (GiB per GPU; not measured on a GPU): gpu_memory_utilization {args.gpu_memory_utilization}, "
-          f"LoRA rank {args.lora_rank}, {args.tokens} tokens per micro-batch, activation checkpointing\n")
+          f"LoRA rank {args.lora_rank}, {args.tokens or recipe_tokens()} tokens per micro-batch, activation "
+          "checkpointing, chunked logits\n")
     print(table(rows))
 
 
@@ -185,4 +209,5 @@ if __name__ == "__main__":
     import sys
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
+    sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # grpo, config
     main()

@@ -44,7 +44,7 @@ def test_the_defaults_are_the_main_jobs_recipe():
     """launch/run.sh passes only paths, the seed and the maze size: what it ran with its 18 flags
     before is now the Config's own defaults (the tiny model's LoRA rank, reply length and branch
     points from resolve_model_defaults); since 2026-12-03 with branch rollouts, in 150 steps."""
-    recipe = config.parse_config(["--steps", "150", "--branch-weight", "8", "--prompts-per-step", "4", "--group-size", "8",
+    recipe = config.parse_config(["--steps", "150", "--branch-weight", "8", "--group-size", "8",
                                   "--temperature", "0.5", "--lr", "1e-3", "--warmup-steps", "10",
                                   "--step-adv-weight", "1", "--micro-batch-size", "16", "--eval-interval", "25",
                                   "--sampled-eval-samples", "8", "--ckpt-interval", "50", "--export-interval", "50"])
@@ -59,6 +59,7 @@ def test_model_dependent_defaults(tiny_model, tmp_path):
     cfg = config.Config()
     cfg.resolve_model_defaults(str(tiny_model))
     assert (cfg.lora_rank, cfg.lora_alpha, cfg.max_new_tokens, cfg.branch_points_per_group) == (32, 64, 8, 2)
+    assert (cfg.prompts_per_step, cfg.micro_batch_tokens) == (4, 0)  # the main job's batch, no token budget
     real = tmp_path / "real"
     real.mkdir()  # a config as wide as a real Qwen3-VL's language model
     conf = json.loads((Path(tiny_model) / "config.json").read_text())
@@ -68,6 +69,7 @@ def test_model_dependent_defaults(tiny_model, tmp_path):
     cfg.resolve_model_defaults(str(real))
     assert (cfg.lora_rank, cfg.lora_alpha, cfg.max_new_tokens) == (32, 64, 12)  # a value given stays
     assert cfg.branch_points_per_group == 0  # a real model: the published recipe's plain GRPO
+    assert (cfg.prompts_per_step, cfg.micro_batch_tokens) == (48, 16384)
     cfg = config.Config(branch_points_per_group=0)
     cfg.resolve_model_defaults(str(tiny_model))
     assert cfg.branch_points_per_group == 0  # off when asked, on the tiny model too
@@ -113,3 +115,60 @@ def test_an_old_checkpoint_with_a_removed_field(tmp_path):
     message = str(refused.value)
     assert "progress_reward = 0.1 (removed; its result: docs/experiments.md" in message and "\n" not in message
     assert "new --out-dir" in message
+
+
+def documented_launches() -> list[tuple[str, list[str], int]]:
+    """(where, train.py's arguments, the world size it implies) of every launch command that the
+    README, launch/slurm.sbatch and launch/k8s/job.yaml show. A node is 8 GPUs where the
+    command does not say (torchrun.sh's and Slurm's default: every GPU of the node)."""
+    import re
+    import shlex
+
+    import yaml
+
+    launches = []
+    readme = (ROOT / "README.md").read_text()
+    for line in readme.splitlines():
+        if not line.startswith(("torchrun ", "NNODES=", "sbatch ")):
+            continue
+        words = shlex.split(line.split("#")[0])
+        if "train.py" in words and words[0] == "torchrun":
+            world = int(words[words.index("--nproc-per-node") + 1])
+            launches.append((line, words[words.index("train.py") + 1:], world))
+        elif "launch/torchrun.sh" in words:
+            nodes = int(next(w.split("=")[1] for w in words if w.startswith("NNODES=")))
+            launches.append((line, words[words.index("launch/torchrun.sh") + 1:], nodes * 8))
+        elif words[:2] == ["sbatch", "launch/slurm.sbatch"]:
+            launches.append((line, words[2:], None))
+    sbatch = (ROOT / "launch" / "slurm.sbatch").read_text()
+    nodes = int(re.search(r"#SBATCH --nodes=(\d+)", sbatch).group(1))
+    gpus = int(re.search(r"#SBATCH --gpus-per-node=(\d+)", sbatch).group(1))
+    launches = [(w, a, nodes * gpus if n is None else n) for w, a, n in launches]
+    for line in sbatch.splitlines():
+        if line.startswith("#   sbatch launch/slurm.sbatch"):
+            words = shlex.split(line[1:].split("#")[0])
+            launches.append((line, words[2:], nodes * gpus))
+    job = next(d for d in yaml.safe_load_all((ROOT / "launch" / "k8s" / "job.yaml").read_text()) if d["kind"] == "Job")
+    [container] = job["spec"]["template"]["spec"]["containers"]
+    environ = {e["name"]: e["value"] for e in container["env"]}
+    words = shlex.split(" ".join(container["args"]))
+    launches.append(("launch/k8s/job.yaml", words[words.index("launch/torchrun.sh") + 1:],
+                     int(environ["NNODES"]) * int(environ["NPROC_PER_NODE"])))
+    return launches
+
+
+def test_every_documented_launch_command_starts_at_its_world_size():
+    """The settings of each launch command the docs show pass the start-up check at the number of
+    processes the command starts (a real Qwen3-VL's defaults filled in where it names one), and the
+    real-model recipe divides among 1, 6 (the published run's), 8 and 16 processes. Before: the
+    README's first GPU line stopped with 'prompts_per_step (4) must be a multiple of ... (8)'."""
+    launches = documented_launches()
+    assert len(launches) >= 5 and {16, 8} <= {world for _, _, world in launches}
+    for where, args, world in launches:
+        cfg = config.parse_config(args)
+        cfg.resolve_defaults_for("real" if cfg.model.startswith("Qwen/") else "tiny")
+        cfg.validate(world)  # SystemExit("bad config: ...") fails the test, naming the command
+    for world in (1, 2, 4, 6, 8, 12, 16, 24, 48):
+        cfg = config.Config(model="Qwen/Qwen3-VL-8B-Instruct", difficulty="easy")
+        cfg.resolve_defaults_for("real")
+        cfg.validate(world)

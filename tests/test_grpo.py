@@ -15,6 +15,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from grpo import (  # noqa: E402
+    chunked_token_logprobs,
     discounted_returns,
     episode_experiences,
     gather_group_advantages,
@@ -367,6 +368,56 @@ def test_token_logprobs_with_the_engines_logit_bias():
     assert torch.equal(logits, kept)
     assert not torch.allclose(biased, token_logprobs(logits, ids[:, 1:], temperature=0.5))
     assert torch.equal(token_logprobs(logits, ids[:, 1:], 0.5, {}), token_logprobs(logits, ids[:, 1:], 0.5))
+
+
+def saved_for_backward_bytes(fn) -> tuple[object, int]:
+    """fn()'s result and the bytes autograd keeps for its backward (distinct storages, parameters
+    and other leaves given to fn excluded: they exist anyway)."""
+    storages = {}
+
+    def pack(t):
+        if not (t.requires_grad and t.grad_fn is None):  # not a leaf the caller owns
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, sum(storages.values())
+
+
+def test_chunked_logprobs_equal_the_full_logits_path_and_keep_no_logits_for_backward():
+    """grpo.chunked_token_logprobs (the trainer's path: hidden states -> the head, a chunk at a
+    time) gives token_logprobs' values and gradients, with the engine's bias and temperature; what
+    autograd keeps for backward grows with the tokens, never with the vocabulary."""
+    torch.manual_seed(5)
+    B, T, H = 3, 10, 16
+
+    def both(V: int, chunk: int):
+        weight = torch.randn(V, H, requires_grad=True)
+        base = torch.randn(B, T, H, requires_grad=True)
+        ids = torch.randint(0, V, (B, T))
+        results = []
+        for path in ("full", "chunked"):
+            hidden = base * 1.0  # a non-leaf, as the model's hidden states are
+            if path == "full":
+                run = lambda: token_logprobs(hidden @ weight.T, ids, 0.7, {1: -100.0})  # noqa: E731
+            else:
+                run = lambda: chunked_token_logprobs(hidden, weight, ids, 0.7, {1: -100.0}, chunk=chunk)  # noqa: E731
+            out, saved = saved_for_backward_bytes(run)
+            (out * torch.linspace(-1, 1, B * T).view(B, T)).sum().backward()
+            results.append((out.detach(), base.grad.clone(), weight.grad.clone(), saved))
+            base.grad, weight.grad = None, None
+        return results
+
+    (full, full_gh, full_gw, full_saved), (chunked, gh, gw, saved) = both(V=4000, chunk=7)
+    torch.testing.assert_close(chunked, full)
+    torch.testing.assert_close(gh, full_gh)
+    torch.testing.assert_close(gw, full_gw)
+    assert full_saved >= B * T * 4000 * 4  # the fp32 logits, kept for backward
+    # the hidden states and targets, a few times over, and the bias: one row of V, not one a token
+    assert saved < B * T * H * 4 * 3 + 4000 * 4
+    *_, saved_big_vocab = both(V=16000, chunk=7)[1]
+    assert saved_big_vocab - saved == (16000 - 4000) * 4  # a 4x vocabulary adds only the bias row
 
 
 def test_logprob_mismatch_hand_example():

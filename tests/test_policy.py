@@ -224,7 +224,7 @@ def _update_check(model_dir: str, results):
     rec = GradientRecorder([p for _, p in policy.lora_parameters(model)])
     stats = policy.grpo_update(cfg, model, rec, rec, batch, experiences(), 4, torch.device("cpu"))
     two_pass = experiences()
-    policy.fill_old_logprobs(model, batch, two_pass, 2, torch.device("cpu"), 1.0, with_ref=False)
+    policy.fill_old_logprobs(model, batch, two_pass, cfg, torch.device("cpu"), with_ref=False)
     policy.grpo_update(cfg, model, rec, rec, batch, two_pass, 4, torch.device("cpu"))
     rec.zero_grad()  # by hand: every sequence, normalised by all response tokens
     inputs, mask, _ = batch.micro([0, 1, 2, 3], torch.device("cpu"))
@@ -333,3 +333,75 @@ def test_the_clip_acts_with_mini_batches_or_epochs(tiny_model):
     assert out[1, 1]["ratio_mean"] == pytest.approx(1.0, abs=1e-6) and out[1, 1]["clip_frac"] == 0
     for reused in settings[1:]:
         assert out[reused]["ratio_mean"] != 1.0 and out[reused]["clip_frac"] > 0, reused
+
+
+def test_the_stale_policy_bound_is_the_stacks_measured_noise():
+    """On a GPU the bound comes from the noise measured at a fresh run's first step (the LoRA is
+    PEFT's init there, so nothing but the stack's numerics is in it), not a fixed 0.1. A stand-in
+    engine that goes stale (it keeps the policy of one step while the trainer moves on, so the
+    mismatch grows ~5e-3 a step over bf16's ~4e-3 noise) is stopped within a few steps; the old
+    fixed bound let it run for ~20. A step that measured nothing neither counts nor breaks a
+    streak; a resumed run keeps its checkpoint's bound."""
+    import math
+
+    def steps_until_stopped(guard, mismatches, start=2, tokens=None):
+        for k, m in enumerate(mismatches):
+            try:
+                guard.check(start + k, m, 500 if tokens is None else tokens[k])
+            except SystemExit:
+                return k + 1
+        return None
+
+    guard = policy.StalePolicyGuard(steps=3, on_gpu=True)
+    assert guard.calibrating
+    guard.check(1, 4e-3, tokens=900)
+    assert not guard.calibrating and guard.bound == pytest.approx(2e-2)
+    in_sync = [4e-3 * (1 + 0.5 * math.sin(k)) for k in range(40)]
+    assert steps_until_stopped(guard, in_sync) is None  # bf16 noise never stops a run
+    stale = [4e-3 + 5e-3 * k for k in range(1, 30)]
+    assert steps_until_stopped(guard, stale) <= 6
+    assert steps_until_stopped(policy.StalePolicyGuard(0.1, 3, on_gpu=True, start_step=5), stale) >= 20
+
+    guard = policy.StalePolicyGuard(steps=3, on_gpu=True, start_step=0)
+    guard.check(1, 4e-3, tokens=0)  # nothing measured: not a calibration either
+    assert guard.calibrating
+    guard.check(2, 4e-3, tokens=700)
+    assert steps_until_stopped(guard, [0.5, 0.5, 0.0, 0.5], tokens=[500, 500, 0, 500]) == 4
+    resumed = policy.StalePolicyGuard(steps=3, on_gpu=True, start_step=40, saved_bound=guard.bound)
+    assert resumed.bound == guard.bound and not resumed.calibrating
+    assert policy.StalePolicyGuard(on_gpu=True, start_step=40).bound == 0.1  # an older checkpoint
+    assert policy.StalePolicyGuard(0.05, on_gpu=True).bound == 0.05  # given: fixed
+    assert policy.StalePolicyGuard(steps=3).calibrating and policy.StalePolicyGuard.FLOOR["cpu"] == 1e-3
+
+
+def test_ranks_wait_for_a_download_on_gloo_with_a_long_timeout(monkeypatch, tiny_model):
+    """While local rank 0 fetches the model the other ranks wait in a gloo barrier with an hours-long
+    timeout: on a GPU a plain barrier runs over NCCL, whose watchdog ends the job after 10 minutes."""
+    import torch.distributed as dist
+
+    calls = []
+    monkeypatch.setattr(dist, "new_group", lambda **kw: calls.append(("new_group", kw)) or "gloo-group")
+    monkeypatch.setattr(dist, "barrier", lambda group=None, **kw: calls.append(("barrier", group)))
+    monkeypatch.setattr(dist, "destroy_process_group", lambda group=None: calls.append(("destroy", group)))
+    assert policy.resolve_model("") == str(tiny_model)
+    [(_, created), barrier, destroyed] = calls
+    assert created["backend"] == "gloo" and created["timeout"].total_seconds() >= 3600
+    assert barrier == ("barrier", "gloo-group") and destroyed == ("destroy", "gloo-group")
+
+
+def test_micro_batches_hold_at_most_the_token_budget(monkeypatch):
+    """Sorted longest first; a micro-batch holds at most micro_batch_size sequences and, with a
+    token budget, at most that many tokens padded to its longest (a longer sequence goes alone);
+    every sequence in exactly one. The memory of the update follows the budget, not the batch."""
+    import distributed
+
+    monkeypatch.setattr(distributed, "max_over_ranks", lambda x: x)  # a world of one
+    lengths = {i: n for i, n in enumerate([900, 4000, 1200, 300, 2500, 2500, 700, 9000, 100, 1500])}
+    batches = policy.synced_micro_batches(list(lengths), 16, lengths.get, max_tokens=5000)
+    assert sorted(i for b in batches for i in b) == list(lengths)
+    for b in batches:
+        assert [lengths[i] for i in b] == sorted((lengths[i] for i in b), reverse=True)
+        assert len(b) * lengths[b[0]] <= 5000 or len(b) == 1
+    assert [len(b) for b in batches] == [1, 1, 2, 3, 3]  # 9000 alone; 4000; 2500 x 2; 1500,1200,900; 700,300,100
+    assert [len(b) for b in policy.synced_micro_batches(list(lengths), 4, lengths.get)] == [4, 4, 2]  # no budget
+    assert [len(b) for b in policy.synced_micro_batches(list(lengths), 4, lengths.get, max_tokens=-1)] == [4, 4, 2]

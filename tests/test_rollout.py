@@ -318,6 +318,23 @@ def test_each_engine_sleep_mode_makes_the_vllm_calls_it_documents():
         assert sleeper.mode == choice and len(said) == 1 and f"({choice})" in said[0], said
         assert engine.calls[:2] == ["sleep(1)", "wake_up"]
         assert engine.calls[2:] == expected[choice]
+    # auto in kv measures every step: an update that leaves less than the reserve free (a longer
+    # batch) sends it back to offload for good, in one line
+    memory = FakeMemory(free=60 * gib, extra=30 * gib)
+    engine, said = RecordingEngine(), []
+    sleeper = rollout.EngineSleep("auto", on_gpu=True, weights_bytes=16 * gib, log=said.append, memory=memory)
+    sleeper.sleep(engine), sleeper.wake(engine)  # offload: 30 GiB stayed free, the weights fit: kv
+    memory.free_bytes, memory.extra = 44 * gib, 30 * gib  # kv, weights resident: 14 GiB stay free
+    sleeper.sleep(engine), sleeper.wake(engine)
+    assert sleeper.mode == "kv" and len(said) == 1
+    memory.extra = 40 * gib  # a longer batch: 4 GiB stay free, under the 5 GiB reserve
+    sleeper.sleep(engine), sleeper.wake(engine)
+    assert sleeper.mode == "offload" and len(said) == 2 and "back to offloading" in said[1] and "(offload)" in said[1]
+    memory.extra = 0
+    sleeper.sleep(engine), sleeper.wake(engine)  # and stays there
+    assert sleeper.mode == "offload" and len(said) == 2
+    assert engine.calls == ["sleep(1)", "wake_up", "sleep(0)", "release_kv_cache_memory", "wake_up",
+                            "sleep(0)", "release_kv_cache_memory", "wake_up", "sleep(1)", "wake_up"]
     # the arithmetic: 100 GiB GPU, reserve 5 GiB; 30 GiB left free, weights 25 GiB fit, 26 not
     assert rollout.choose_engine_sleep(30 * gib, 25 * gib, 100 * gib)[0] == "kv"
     assert rollout.choose_engine_sleep(30 * gib, 26 * gib, 100 * gib)[0] == "offload"

@@ -54,3 +54,23 @@ def test_memory_pieces_and_the_sleep_mode_they_imply():
     room = sizing.estimate(config, 80, 8)["max_tokens_k"]
     assert room["none"] < room["kv"] < room["offload"]
     assert sizing.estimate(config, 80, 8, tokens=1024 * room["kv"] + 4096)["engine_sleep"] == "offload"
+
+
+def test_the_recipes_micro_batch_fits_every_gpu_in_the_table():
+    """The real-model recipe's token budget (config.MICRO_BATCH_TOKENS, what train.py packs
+    micro-batches by) is the table's default, and its update fits on 80 and 141 GB GPUs for
+    Qwen3-VL-8B and 2B, one GPU or eight, because the logits are computed a chunk at a time: with
+    fp32 logits held for every token (the old path) 16k tokens of 8B's vocabulary alone took ~18 GiB."""
+    import config
+
+    assert sizing.recipe_tokens() == config.MICRO_BATCH_TOKENS["real"] == 16384
+    for shape in (sizing.qwen3_vl_8b(), sizing.QWEN3_VL_2B):
+        for gpu in (80, 141):
+            for per_node in (1, 8):
+                row = sizing.estimate(shape, gpu, per_node)
+                assert row["engine_sleep"] != "does not fit", (gpu, per_node)
+                assert min(row["max_tokens_k"].values()) * 1024 >= sizing.recipe_tokens()
+    text = sizing.qwen3_vl_8b()["text_config"]
+    assert sizing.logits_chunk_bytes(text) < 3 * 2**30  # one chunk, whatever the length
+    assert sizing.update_activation_bytes(text, 32768) - sizing.update_activation_bytes(text, 16384) == \
+        16384 * sizing.activation_bytes_per_token(text)  # the rest grows with tokens, not tokens x vocabulary
