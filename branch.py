@@ -66,6 +66,15 @@ def branch_moves(maze, cell) -> list[str]:
     return moves + [env.STOP_ACTION] if tuple(cell) == tuple(maze.goal) else moves
 
 
+def is_optimal(maze, cell, move: str) -> bool:
+    """Whether `move` from `cell` is on a shortest way to the goal (stop: only on the goal)."""
+    if move == env.STOP_ACTION:
+        return tuple(cell) == tuple(maze.goal)
+    dr, dc = env.MOVE_DELTAS[env.ACTION_STRINGS.index(move)]
+    distance = env.goal_distances(maze)
+    return distance.get((cell[0] + dr, cell[1] + dc), -1) == distance[tuple(cell)] - 1
+
+
 def is_fork(maze, cell) -> bool:
     """Whether a decision is made at `cell`: another open way than the one in and the one out
     (at the start, which has no way in: more than one way out), or the goal (stop or walk on)."""
@@ -166,6 +175,11 @@ def branch_step(cfg, engine, chat: rollout.ChatFormat, episodes: list, lora_requ
     return experiences, {
         "branch_points": len(points),
         "branch_targets": len(targets),
+        # the share of targets the maze's solver agrees with: a target comes from one continuation
+        # per move, so the worse move can look better once; this says how often it did
+        "branch_targets_optimal_frac": (sum(is_optimal(episodes[p.parent].maze, episodes[p.parent].turns[p.turn].state,
+                                                       p.moves[p.best]) for p in targets) / len(targets)
+                                        if targets else 1.0),
         "branch_episodes": len(played),
         # the forced reply is not an engine turn; every later reply of a branch is
         "branch_engine_turns": sum(b.num_turns - p.turn - 1 for p in points for b in p.branches),

@@ -399,6 +399,10 @@ def find(out: Path, resume: str, warn=print) -> Path | None:
 def config_changes(saved: dict, current: dict) -> list[str]:
     """'name: saved -> current' for each meaningful field (config.py declares which) that differs:
     resuming with another value would silently mix two runs (the optimizer and schedule are the
-    checkpoint's). Everything else (steps, intervals, paths, memory settings) can change on resume."""
-    return [f"{k}: {saved[k]!r} -> {current[k]!r}" for k in config.meaningful_fields()
+    checkpoint's). Everything else (intervals, paths, memory settings) can change on resume, and
+    `steps` too under a constant learning rate; under a decaying one it sets the schedule."""
+    fields = config.meaningful_fields()
+    if saved.get("lr_schedule", "constant") != "constant":
+        fields.append("steps")  # a decaying schedule's horizon: another step count is another schedule
+    return [f"{k}: {saved[k]!r} -> {current[k]!r}" for k in fields
             if k in saved and k in current and saved[k] != current[k]]

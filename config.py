@@ -113,8 +113,11 @@ class OptimConfig:
     lr: float = setting(1e-3, "peak learning rate (AdamW over the LoRA weights)", meaningful=True)
     weight_decay: float = setting(0.0, "AdamW weight decay", meaningful=True)
     warmup_steps: int = setting(10, "linear warm-up from 0, in optimizer steps", meaningful=True)
-    lr_schedule: str = setting("constant", "constant | cosine (after the warm-up; transformers.get_scheduler)",
+    lr_schedule: str = setting("wsd", "after the warm-up: wsd (constant, then a cosine decay to 0 over the last "
+                                      "decay_frac of the steps) | cosine (a decay to 0 over all of them) | constant "
+                                      "(transformers.get_scheduler); a decaying one fixes `steps` on resume",
                                meaningful=True)
+    decay_frac: float = setting(0.3, "wsd: the share of the steps over which the rate decays to 0", meaningful=True)
     max_grad_norm: float = setting(1.0, "gradient clipping", meaningful=True)
     num_mini_batches: int = setting(1, "optimizer steps per pass over the rollout batch; > 1: the PPO clip acts",
                                     meaningful=True)
@@ -203,8 +206,10 @@ class Config(*reversed(SECTIONS)):
             problems.append("step_adv_weight must be >= 0 and gamma in (0, 1]")
         if self.loss_aggregation not in ("token-mean", "seq-mean"):
             problems.append("loss_aggregation must be token-mean or seq-mean")
-        if self.lr_schedule not in ("constant", "cosine"):
-            problems.append("lr_schedule must be constant or cosine")
+        if self.lr_schedule not in ("wsd", "cosine", "constant"):
+            problems.append("lr_schedule must be wsd, cosine or constant")
+        if not 0 < self.decay_frac <= 1:
+            problems.append("decay_frac must be in (0, 1]")
         if self.branch_points_per_group < -1 or self.branch_weight <= 0:
             problems.append("branch_points_per_group must be >= 0 (-1: the model's default) and branch_weight > 0")
         if self.tis_cap < 0 or self.train_pool < 0 or self.sampled_eval_samples < 0 or self.max_new_tokens < 0 \

@@ -420,6 +420,7 @@ class MazeEnv:
 # evaluation and training mazes
 
 TRAIN_SEED_OFFSET = 1_000_000  # training seeds start here, far from the evaluation seeds 0..n-1
+STREAM_SEED_STRIDE = 10_000_000  # run seed s plays the training seeds from TRAIN_SEED_OFFSET + s x this
 MAX_CONSECUTIVE_SKIPS = 10_000
 
 
@@ -435,10 +436,10 @@ def eval_mazes(difficulty: str, n: int = 64, style: str = "ours") -> list:
     return [generate(_size_of(difficulty), seed) for seed in range(n)]
 
 
-def first_training_mazes(difficulty: str, n: int, eval_n: int = 64, style: str = "ours") -> list:
+def first_training_mazes(difficulty: str, n: int, eval_n: int = 64, style: str = "ours", seed: int = 0) -> list:
     """The first n mazes of the training stream (what a run with train_pool n trains on): played
     greedy beside the evaluation mazes, they tell memorising from generalising."""
-    stream = TrainMazeStream(difficulty, eval_n=eval_n, style=style)
+    stream = TrainMazeStream(difficulty, eval_n=eval_n, style=style, seed=seed)
     return [stream.next() for _ in range(n)]
 
 
@@ -449,9 +450,14 @@ class TrainMazeStream:
     there are only 4 spanning trees of 2x2 rooms, so "tiny" (5x5) has just 4 layouts and the
     evaluation mazes cover them all (then next() raises; lower eval_n). "small" (7x7) has 192,
     of which 64 evaluation mazes take about a quarter; larger sizes have far too many to collide.
+
+    The run's seed picks the stream (seed s: the training seeds from TRAIN_SEED_OFFSET +
+    s x STREAM_SEED_STRIDE on), so runs of several seeds train on different mazes; the
+    evaluation mazes are the same for all.
     """
 
-    def __init__(self, difficulty: str, position: int = 0, eval_n: int = 64, pool: int = 0, style: str = "ours"):
+    def __init__(self, difficulty: str, position: int = 0, eval_n: int = 64, pool: int = 0, style: str = "ours",
+                 seed: int = 0):
         if eval_n > TRAIN_SEED_OFFSET:
             raise ValueError(f"eval_n must be at most {TRAIN_SEED_OFFSET} to keep seeds disjoint")
         if pool < 0:
@@ -460,6 +466,7 @@ class TrainMazeStream:
         self.difficulty = difficulty
         self.style = _check_style(style)  # which generator; the evaluation set is of the same style
         self.position = position  # seeds consumed so far, skipped ones included
+        self.seed = seed
         self._eval_keys = {m.layout_key() for m in eval_mazes(difficulty, eval_n, style)}
         # pool > 0 replays the first `pool` training mazes over and over (a small set to overfit:
         # the check that a learner can learn at all); _pool_end is the seed position just past them
@@ -475,7 +482,8 @@ class TrainMazeStream:
     def _next_from(self, position: int) -> tuple:
         """The first training maze at or after seed `position`, and the position after it."""
         for _ in range(MAX_CONSECUTIVE_SKIPS):
-            maze = _GENERATORS[self.style](_size_of(self.difficulty), TRAIN_SEED_OFFSET + position)
+            maze = _GENERATORS[self.style](_size_of(self.difficulty),
+                                           TRAIN_SEED_OFFSET + self.seed * STREAM_SEED_STRIDE + position)
             position += 1
             if maze.layout_key() not in self._eval_keys:
                 return maze, position
@@ -498,14 +506,17 @@ class TrainMazeStream:
     def state_dict(self) -> dict:
         """Everything the stream is built from, and where it stands (the style only when not the
         default, so that states saved before styles existed read the same)."""
-        state = {"difficulty": self.difficulty, "eval_n": self.eval_n, "pool": self.pool, "position": self.position}
+        state = {"difficulty": self.difficulty, "eval_n": self.eval_n, "pool": self.pool, "position": self.position,
+                 "seed": self.seed}
         return state if self.style == "ours" else {**state, "style": self.style}
 
     def load_state_dict(self, state: dict) -> None:
-        """Continue a saved stream; one built otherwise (other size, style, evaluation set or pool)
-        is refused. (States saved before eval_n and pool were recorded are taken as this stream's.)"""
+        """Continue a saved stream; one built otherwise (other size, style, evaluation set, pool or
+        seed) is refused. (States saved before eval_n and pool were recorded are taken as this
+        stream's; one saved before the stream followed the run's seed was seed 0's.)"""
         built = {k: state.get(k, getattr(self, k)) for k in ("difficulty", "eval_n", "pool")}
         built["style"] = _check_style(state.get("style", "ours"))
+        built["seed"] = int(state.get("seed", 0))
         mine = {k: getattr(self, k) for k in built}
         if built != mine:
             raise ValueError(f"the saved maze stream was built with {built}, this one with {mine}")

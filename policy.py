@@ -450,12 +450,19 @@ def fill_old_logprobs(model, batch: Batch, experiences: list, cfg, device, with_
 # ----------------------------------------------------------------------------- the update
 
 def make_scheduler(optimizer, cfg):
-    """transformers' schedules: a linear warm-up from 0, then constant or a cosine decay to 0."""
+    """transformers' schedules: a linear warm-up from 0, then warmup-stable-decay (constant, then a
+    cosine decay to 0 over the last decay_frac of the run: the policy a run ends with is then the
+    settled end of its trajectory, not one noisy step of it), a cosine decay over the whole run,
+    or constant."""
     from transformers import get_scheduler
 
+    total = cfg.steps * cfg.num_mini_batches * cfg.ppo_epochs
+    if cfg.lr_schedule == "wsd":
+        return get_scheduler("warmup_stable_decay", optimizer, num_warmup_steps=cfg.warmup_steps,
+                             num_training_steps=total,
+                             scheduler_specific_kwargs={"num_decay_steps": max(1, round(cfg.decay_frac * total))})
     return get_scheduler("cosine" if cfg.lr_schedule == "cosine" else "constant_with_warmup", optimizer,
-                         num_warmup_steps=cfg.warmup_steps,
-                         num_training_steps=cfg.steps * cfg.num_mini_batches * cfg.ppo_epochs)
+                         num_warmup_steps=cfg.warmup_steps, num_training_steps=total)
 
 
 def single_pass(cfg) -> bool:

@@ -78,7 +78,7 @@ def evaluate(cfg, engine, chat, lora_request, step: int, out: Path, run: dict | 
     mazes = env.eval_mazes(cfg.difficulty, cfg.eval_mazes, cfg.env_style)
     result = {"step": step, "difficulty": cfg.difficulty, "env_style": cfg.env_style, **greedy(mazes, f"eval@{step}")}
     seen = env.first_training_mazes(cfg.difficulty, min(cfg.train_pool or cfg.eval_mazes, cfg.eval_mazes),
-                                    cfg.eval_mazes, cfg.env_style)  # a pool's mazes, or the stream's first
+                                    cfg.eval_mazes, cfg.env_style, cfg.seed)  # a pool's mazes, or the stream's first
     result["training_mazes"] = greedy(seen, f"training mazes@{step}")
     if cfg.sampled_eval_samples and (step == 0 or step == cfg.steps):
         mine = list(range(dist.get_rank(), len(mazes), dist.get_world_size()))
@@ -159,7 +159,8 @@ def main(cfg: Config):
     model = policy.build_policy(cfg, model_path)
     optimizer = policy.make_optimizer(model, cfg.lr, cfg.weight_decay)
     scheduler = policy.make_scheduler(optimizer, cfg)
-    stream = env.TrainMazeStream(cfg.difficulty, eval_n=cfg.eval_mazes, pool=cfg.train_pool, style=cfg.env_style)
+    stream = env.TrainMazeStream(cfg.difficulty, eval_n=cfg.eval_mazes, pool=cfg.train_pool, style=cfg.env_style,
+                                 seed=cfg.seed)
     start_step, hours = checkpoint.load(Path(ckpt), cfg, model, optimizer, scheduler, stream, log=log0) \
         if ckpt else (0, 0.0)
     log = rundir.RunLog(out, cfg, start_step) if rank == 0 else None

@@ -166,6 +166,14 @@ def estimate(config: dict, gpu_gib: float, gpus_per_node: int, *, gpu_memory_uti
             "parameters_b": round(n["total"] / 1e9, 2), "lora_parameters_m": round(lora / 1e6, 1)}
 
 
+def checkpoint_gib(config: dict, lora_rank: int = 32) -> dict:
+    """What a checkpoint holds (checkpoint.save): the LoRA in fp32 and Adam's two fp32 moments (the
+    full state, gathered to rank 0, which writes it), and the servable adapter export beside it.
+    A preempted run writes one after its last completed step (rundir.StopRequest)."""
+    lora = lora_parameters(config["text_config"], lora_rank)
+    return {"checkpoint": round(12 * lora / GIB, 2), "adapter_export": round(4 * lora / GIB, 2)}
+
+
 COLUMNS = [("model", "model"), ("GPU GiB", "gpu_gib"), ("GPUs/node", "gpus_per_node"),
            ("engine weights", "engine_weights"), ("KV cache (tokens)", "kv"), ("trainer shard", "trainer_shard"),
            ("gathered", "trainer_gathered"), ("LoRA + Adam", "lora_and_optimizer"),
@@ -203,6 +211,12 @@ def main():
           f"LoRA rank {args.lora_rank}, {args.tokens or recipe_tokens()} tokens per micro-batch, activation "
           "checkpointing, chunked logits\n")
     print(table(rows))
+    print("\nPreemption (SIGTERM -> checkpoint of the last completed step -> exit), per run, written by rank 0:")
+    for name, config in configs.items():
+        sizes = checkpoint_gib(config, args.lora_rank)
+        print(f"- {name}: a checkpoint is {sizes['checkpoint']} GiB (LoRA + Adam, fp32): "
+              f"{sizes['checkpoint'] / 0.5:.1f} s at 0.5 GiB/s, {sizes['checkpoint'] / 2:.1f} s at 2 GiB/s to "
+              "shared storage; add the step in hand if it is past its rollouts (an update, a sync)")
 
 
 if __name__ == "__main__":

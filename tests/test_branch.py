@@ -356,3 +356,20 @@ def test_a_training_run_with_branches_logs_them(short_run):
     assert sum(m["branch_targets"] for m in metrics) > 0
     saved = json.loads((short_run / "config.json").read_text())
     assert saved["branch_points_per_group"] == 2
+
+
+def test_a_target_is_called_optimal_only_on_a_shortest_way():
+    """branch_targets_optimal_frac's judge: every move of the solver's path is optimal, a move
+    into any other open cell from those cells is not, and stop only on the goal."""
+    maze = env.TrainMazeStream("small").next()
+    cell, checked = tuple(maze.start), 0
+    for action in env.solve(maze):
+        assert branch.is_optimal(maze, cell, action)
+        for other in branch.branch_moves(maze, cell):
+            if other != action:
+                assert not branch.is_optimal(maze, cell, other)
+                checked += 1
+        if action != env.STOP_ACTION:
+            dr, dc = env.MOVE_DELTAS[env.ACTION_STRINGS.index(action)]
+            cell = (cell[0] + dr, cell[1] + dc)
+    assert cell == tuple(maze.goal) and checked > 0 and not branch.is_optimal(maze, maze.start, env.STOP_ACTION)

@@ -149,6 +149,9 @@ def test_resume_with_meaningful_changes_is_refused_harmless_ones_are_taken():
     saved = train.Config(lr=1e-3, group_size=8, difficulty="small", steps=100, eval_interval=10).__dict__
     same = train.Config(lr=1e-3, group_size=8, difficulty="small", steps=400, eval_interval=20, progress=False)
     assert checkpoint.config_changes(saved, same.__dict__) == []  # longer run, other intervals: fine
+    decaying = train.Config(lr_schedule="cosine", steps=100).__dict__  # steps is its horizon: guarded
+    assert checkpoint.config_changes(decaying, train.Config(lr_schedule="cosine", steps=400).__dict__) == \
+        ["steps: 100 -> 400"]
     other = train.Config(lr=5e-4, group_size=4, difficulty="easy", steps=100).__dict__
     assert checkpoint.config_changes(saved, other) == ["difficulty: 'small' -> 'easy'", "group_size: 8 -> 4",
                                                        "lr: 0.001 -> 0.0005"]

@@ -10,7 +10,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import env  # noqa: E402
 from env import (  # noqa: E402
     ACTION_STRINGS, DIFFICULTY_SIZES, Maze, MazeEnv, TrainMazeStream,
-    eval_mazes, generate_maze, parse_action, render, solve,
+    eval_mazes, first_training_mazes, generate_maze, parse_action, render, solve,
 )
 
 
@@ -313,17 +313,33 @@ def test_stream_resumes_exactly():
     for _ in range(100):
         stream.next()
     state = stream.state_dict()
-    assert state == {"difficulty": "small", "eval_n": 64, "pool": 0, "position": stream.position}
+    assert state == {"difficulty": "small", "eval_n": 64, "pool": 0, "position": stream.position, "seed": 0}
     following = [stream.next() for _ in range(20)]
     resumed = TrainMazeStream("small", position=state["position"])
     assert [resumed.next() for _ in range(20)] == following
     loaded = TrainMazeStream("small")
     loaded.load_state_dict(state)
     assert [loaded.next() for _ in range(20)] == following
-    # a stream built otherwise (another size, evaluation set or pool) does not take the state
-    for other in (TrainMazeStream("easy"), TrainMazeStream("small", eval_n=8), TrainMazeStream("small", pool=4)):
+    # a stream built otherwise (another size, evaluation set, pool or seed) does not take the state
+    for other in (TrainMazeStream("easy"), TrainMazeStream("small", eval_n=8), TrainMazeStream("small", pool=4),
+                  TrainMazeStream("small", seed=1)):
         with pytest.raises(ValueError, match="built with"):
             other.load_state_dict(state)
+    legacy = {k: v for k, v in state.items() if k != "seed"}  # saved before streams followed the seed
+    loaded = TrainMazeStream("small")
+    loaded.load_state_dict(legacy)
+    assert [loaded.next() for _ in range(20)] == following
+
+
+def test_each_seed_trains_on_its_own_mazes_and_none_is_an_eval_layout():
+    """--seed picks the training stream (seed 0's is the stream from before seeds did): three seeds
+    share no training maze; the evaluation mazes are the same for every seed."""
+    firsts = {seed: [m.seed for m in first_training_mazes("small", 200, seed=seed)] for seed in (0, 1, 2)}
+    assert firsts[0][:3] == [m.seed for m in (lambda s: [s.next() for _ in range(3)])(TrainMazeStream("small"))]
+    assert not set(firsts[0]) & set(firsts[1]) and not set(firsts[1]) & set(firsts[2])
+    eval_walls = {m.walls for m in eval_mazes("small")}
+    stream = TrainMazeStream("small", seed=2)
+    assert all(stream.next().walls not in eval_walls for _ in range(300))
 
 
 def test_pool_replays_the_first_training_mazes_in_order_and_resumes():

@@ -12,9 +12,9 @@ from test_train import read_metrics
 
 # 7x7 mazes at the full 15 turns (the shortest solution needs 9): the warm start solves some
 # (the recipe's defaults otherwise, but sampled at T 1 without the warm-up or the sampled evaluation,
-# at rank 8 and without branch rollouts, as these tests were sized: this is GRPO's own learning; the
+# at rank 8, a constant rate and without branch rollouts, as these tests were sized: this is GRPO's own learning; the
 # branch term's is tests/test_branch.py's confidently wrong fork)
-RUN = ["--group-size", "4", "--eval-mazes", "8", "--temperature", "1", "--warmup-steps", "0",
+RUN = ["--group-size", "4", "--eval-mazes", "8", "--temperature", "1", "--warmup-steps", "0", "--lr-schedule", "constant",
        "--sampled-eval-samples", "0", "--progress", "false", "--lora-rank", "8", "--branch-points-per-group", "0"]
 
 

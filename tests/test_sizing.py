@@ -74,3 +74,9 @@ def test_the_recipes_micro_batch_fits_every_gpu_in_the_table():
     assert sizing.logits_chunk_bytes(text) < 3 * 2**30  # one chunk, whatever the length
     assert sizing.update_activation_bytes(text, 32768) - sizing.update_activation_bytes(text, 16384) == \
         16384 * sizing.activation_bytes_per_token(text)  # the rest grows with tokens, not tokens x vocabulary
+
+
+def test_a_checkpoint_is_the_lora_and_adams_moments():
+    sizes = sizing.checkpoint_gib(sizing.qwen3_vl_8b(), 32)
+    lora = sizing.lora_parameters(sizing.qwen3_vl_8b()["text_config"], 32)
+    assert 85e6 < lora < 90e6 and sizes["checkpoint"] == round(12 * lora / 2**30, 2)  # ~1 GiB: seconds to write

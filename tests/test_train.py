@@ -193,3 +193,14 @@ def test_the_lr_schedule_is_transformers_own():
             lrs.append(seen)
         assert lrs[0] == lrs[1]
     assert lrs[0][:3] == [0.0, 0.5, 1.0] and lrs[0][-1] < 0.2  # warm-up from 0, then cosine towards 0
+    # the recipe's: warm-up, constant, then the last 30% of the steps decay to 0 (warmup-stable-decay)
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    scheduler = policy.make_scheduler(optimizer, train.Config(warmup_steps=2, steps=20))
+    assert train.Config().lr_schedule == "wsd" and train.Config().decay_frac == 0.3
+    seen = []
+    for _ in range(20):
+        seen.append(scheduler.get_last_lr()[0])
+        optimizer.step()
+        scheduler.step()
+    assert seen[:3] == [0.0, 0.5, 1.0] and set(seen[2:14]) == {1.0}  # 6 = 30% of 20 steps decay
+    assert seen[14:] == sorted(seen[14:], reverse=True) and seen[-1] < 0.1 and scheduler.get_last_lr()[0] == 0.0
