@@ -3,6 +3,14 @@
     python experiments/average_adapters.py --out runs/avg runs/main/grpo/adapters/step_100 \
         runs/main/grpo/adapters/step_150
     python experiments/eval_policy.py --model runs/main/sft/model --adapter runs/avg
+    python experiments/average_adapters.py --factorwise --out runs/fw ...   # mean A, mean B: rank r
+    python experiments/average_adapters.py --scale 0.6 --out runs/shrunk runs/main/grpo/adapters/step_150
+
+The factor-wise mean (the mean of the A's, the mean of the B's) keeps the rank, which is what an
+8B model's exports can afford, but it is not the mean of the deltas: mean(B) @ mean(A) holds the
+cross terms B_i @ A_j. The command prints its error, ||factor-wise - exact|| / ||exact|| over
+every module's delta. --scale c writes c times one adapter's delta (B scaled): does the policy
+overshoot (a smaller step is better) or is it noise (a smaller step is just a weaker policy)?
 
 Why: between two evaluations of a GRPO run a quarter of the held-out mazes flip (solved ->
 failed and back) while the count moves by a few; the greedy policy sits on near-ties that
@@ -85,13 +93,68 @@ def average(adapters: list[Path], out: Path) -> int:
     return rank
 
 
+def write_like(adapter: Path, weights: dict, out: Path):
+    """`weights` as an adapter with `adapter`'s config and base, written whole (temp dir, rename)."""
+    from safetensors.torch import save_file
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp")
+    checkpoint.remove_tmp(tmp)
+    tmp.mkdir()
+    save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp / WEIGHTS))
+    shutil.copyfile(adapter / "adapter_config.json", tmp / "adapter_config.json")
+    if (adapter / BASE_FILE).exists():
+        shutil.copyfile(adapter / BASE_FILE, tmp / BASE_FILE)
+    checkpoint.publish_dir(tmp, out)
+
+
+def deltas(weights: dict) -> dict:
+    """Each module's B @ A (PEFT's scale left out: the same for all adapters of a run)."""
+    return {name: weights[name.replace(".lora_A.", ".lora_B.")] @ weights[name]
+            for name in weights if ".lora_A." in name}
+
+
+def factorwise(adapters: list[Path], out: Path) -> float:
+    """Write the factor-wise mean (mean A, mean B, rank r) to `out`; returns its relative error
+    against the exact mean of the deltas, ||sum (fw - exact)||_F / ||exact||_F over all modules."""
+    from safetensors.torch import load_file
+
+    weights = [load_file(str(a / WEIGHTS)) for a in adapters]
+    mean = {name: sum(w[name] for w in weights) / len(weights) for name in weights[0]}
+    exact = {name: sum(d[name] for d in map(deltas, weights)) / len(weights) for name in deltas(weights[0])}
+    approx = deltas(mean)
+    error = sum(float((approx[n] - exact[n]).pow(2).sum()) for n in exact) ** 0.5
+    write_like(adapters[0], mean, out)
+    return error / max(sum(float(exact[n].pow(2).sum()) for n in exact) ** 0.5, 1e-30)
+
+
+def scaled(adapter: Path, factor: float, out: Path):
+    """Write `factor` times the adapter's delta (its B's scaled) to `out`."""
+    from safetensors.torch import load_file
+
+    weights = load_file(str(adapter / WEIGHTS))
+    write_like(adapter, {k: v * factor if ".lora_B." in k else v for k, v in weights.items()}, out)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("adapters", type=Path, nargs="+", help="PEFT LoRA directories of one run (its exports)")
     parser.add_argument("--out", type=Path, required=True, help="where the averaged adapter goes")
+    parser.add_argument("--factorwise", action="store_true", help="mean A and mean B (rank r), and its error")
+    parser.add_argument("--scale", type=float, default=None, help="c x one adapter's delta instead of a mean")
     args = parser.parse_args()
-    rank = average(args.adapters, args.out)
-    print(f"{args.out}: the mean of {len(args.adapters)} adapters, rank {rank}")
+    if args.scale is not None:
+        if len(args.adapters) != 1:
+            raise SystemExit("--scale takes one adapter")
+        scaled(args.adapters[0], args.scale, args.out)
+        print(f"{args.out}: {args.scale} x {args.adapters[0]}")
+    elif args.factorwise:
+        error = factorwise(args.adapters, args.out)
+        print(f"{args.out}: the factor-wise mean of {len(args.adapters)} adapters; its delta is off the exact mean's "
+              f"by {error:.1%} (relative Frobenius error over all modules)")
+    else:
+        rank = average(args.adapters, args.out)
+        print(f"{args.out}: the mean of {len(args.adapters)} adapters, rank {rank}")
 
 
 if __name__ == "__main__":

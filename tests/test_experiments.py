@@ -299,3 +299,38 @@ def test_average_adapters_is_the_exact_mean_of_their_deltas_at_a_rank_vllm_takes
     assert json.loads((tmp_path / "mean" / "adapter_config.json").read_text())["lora_alpha"] == 48  # 3 / 4 * 16
     with pytest.raises(SystemExit, match="differ in rank"):
         average(paths[2:], tmp_path / "bad")
+    # the factor-wise mean: rank r, its output is NOT the mean output, and its stated error is its
+    # delta's distance from the exact mean's (0 for copies of one adapter); --scale c: c x the delta
+    from experiments.average_adapters import factorwise, scaled
+
+    error = factorwise(paths[:3], tmp_path / "fw")
+    fw = PeftModel.from_pretrained(base(), tmp_path / "fw")
+    with torch.no_grad():
+        exact, approx, plain = sum(outputs[:3]) / 3, fw(x), base()(x)
+    assert json.loads((tmp_path / "fw" / "adapter_config.json").read_text())["r"] == 4
+    measured = float((approx - plain - (exact - plain)).norm() / (exact - plain).norm())
+    assert error > 0.05 and measured > 0.01  # cross terms: far from exact for unrelated adapters
+    assert factorwise([paths[0]] * 3, tmp_path / "same") < 1e-6
+    scaled(paths[0], 0.5, tmp_path / "half")
+    half = PeftModel.from_pretrained(base(), tmp_path / "half")
+    with torch.no_grad():
+        assert torch.allclose(half(x) - plain, 0.5 * (outputs[0] - plain), atol=1e-5)
+
+
+def test_churn_counts_always_never_and_flips_from_the_runs_own_evaluations(tmp_path):
+    from experiments.churn import churn
+
+    run = tmp_path / "run"
+    (run / "eval").mkdir(parents=True)
+    (run / "run.json").write_text(json.dumps({"run_id": "r"}))
+    solved = {0: [1, 0, 0, 1], 25: [1, 1, 0, 0], 50: [1, 0, 0, 1]}  # maze 0 always, 2 never, 1 and 3 flip
+    for step, row in solved.items():
+        (run / "eval" / f"step_{step}.json").write_text(json.dumps(
+            {"step": step, "solved": sum(row), "total": 4, "run_id": "r",
+             "mazes": [{"maze_index": i, "solved": bool(s)} for i, s in enumerate(row)]}))
+    (run / "eval" / "step_75.json").write_text(json.dumps(  # another run's file: not counted
+        {"step": 75, "solved": 4, "total": 4, "run_id": "other", "mazes": [{"maze_index": i, "solved": True}
+                                                                           for i in range(4)]}))
+    c = churn(run)
+    assert (c["always"], c["never"], c["sometimes"], c["flips"], c["counts"]) == (1, 1, 2, [2, 2], [2, 2, 2])
+    assert c["count_sd"] == 0.0 and churn(run, from_step=25)["flips"] == [2]
