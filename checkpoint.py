@@ -247,7 +247,7 @@ def save(cfg, model, optimizer, scheduler, lora_state, step, stream, hours, out:
     if dist.get_rank() == 0:
         meta = {"step": step, "stream": stream.state_dict(), "process_hours": hours,
                 "world_size": dist.get_world_size(), "config": dataclasses.asdict(cfg),
-                "mismatch_bound": mismatch_bound}  # the stale-policy guard's, calibrated (policy.StalePolicyGuard)
+                "mismatch_bound": mismatch_bound}  # the stale-policy guard's, calibrated (update.StalePolicyGuard)
         trainer_state = {"optimizer": optim_state, "scheduler": scheduler.state_dict(), "rng": rngs}
         try:
             tmp = write_checkpoint(out, step, model, lora_state, trainer_state, meta, base)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from transformers import HfArgumentParser
 
 import env
-import rollout
+import vllm_engine
 
 
 def setting(default, help: str, *, meaningful: bool = False):
@@ -32,24 +32,25 @@ def setting(default, help: str, *, meaningful: bool = False):
     return dataclasses.field(default=default, metadata={"help": help, "meaningful": meaningful})
 
 
-# Model-dependent defaults (0 in the fields below, -1 for the branch points): the tiny model of
-# tiny_model.py and the SFT warm starts built from it get the main job's values, a real Qwen3-VL
-# the published recipe's.
+# The fields' defaults are the tiny main job's recipe (launch/run.sh). A real Qwen3-VL (a language
+# model TINY_HIDDEN_SIZE wide or wider) runs the published recipe instead: QWEN3_VL_RECIPE's values
+# replace the defaults of the fields a command line did not set (Config.apply_recipe; --recipe
+# picks one by name, and --help lists both).
 TINY_HIDDEN_SIZE = 1024  # a language model narrower than this is a tiny one (the tiny model's: 128)
-LORA_RANK = {"tiny": 32, "real": 32}  # tiny: 8 until 2026-12-03 (step 1a's ceiling table chose 32)
-# Branch rollouts lift the tiny main job (docs/experiments.md, 2026-12-03: +6.8 points against a
-# branch-free control's +1.0 on the same warm starts); they are untried on a real model and a GPU,
-# so a real Qwen3-VL keeps the published recipe's plain GRPO unless asked.
-BRANCH_POINTS = {"tiny": 2, "real": 0}
-MAX_NEW_TOKENS = {"tiny": 8, "real": 32}  # a tiny-model reply is one move; a real model's is a sentence
-# Mazes a step: the tiny main job's 4 (one process); a real model's 48, which divides among the
-# 1, 2, 3, 4, 6 (the published run's), 8, 12, 16, 24 and 48 processes of common launches
-# (tests/test_config.py starts every documented launch command at its world size).
-PROMPTS_PER_STEP = {"tiny": 4, "real": 48}
-# Tokens a micro-batch may hold (padded): none for the tiny model (its micro-batch is 16 short
-# sequences); 16k for a real one, which fits the update of Qwen3-VL-8B (and 2B) on 80 and 141 GB
-# GPUs in every engine-sleep mode that bench/sizing.py names (the same formula: its table).
-MICRO_BATCH_TOKENS = {"tiny": 0, "real": 16384}
+QWEN3_VL_RECIPE = {
+    # a real model's reply is a sentence, not one move
+    "max_new_tokens": 32,
+    # branch rollouts lift the tiny main job (docs/experiments.md, 2026-12-03: +6.8 points against
+    # a branch-free control's +1.0); untried on a real model and a GPU: the published plain GRPO
+    "branch_points_per_group": 0,
+    # 48 mazes a step divide among 1, 2, 3, 4, 6 (the published run's), 8, 12, 16, 24 and 48
+    # processes (tests/test_config.py starts every documented launch command at its world size)
+    "prompts_per_step": 48,
+    # a micro-batch's tokens, padded: 16k fits the update of Qwen3-VL-8B (and 2B) on 80 and 141 GB
+    # GPUs in every engine-sleep mode (bench/sizing.py's table uses this figure)
+    "micro_batch_tokens": 16384,
+}
+RECIPES = {"tiny": {}, "qwen3-vl": QWEN3_VL_RECIPE}
 
 
 @dataclass
@@ -57,6 +58,9 @@ class TaskConfig:
     _argument_group_name = "task (the model and the mazes)"
     model: str = setting("", "any HF Qwen3-VL directory or hub id; empty: the tiny model, built on first use",
                          meaningful=True)
+    recipe: str = setting("auto", "the defaults to run with: tiny (the fields' own) | qwen3-vl (" +
+                          ", ".join(f"{k} {v}" for k, v in QWEN3_VL_RECIPE.items()) + ", over the fields' "
+                          "defaults; flags given win) | auto: qwen3-vl for a real Qwen3-VL, tiny for the tiny model")
     difficulty: str = setting("small", "tiny 5x5 | small 7x7 | easy 9x9 (VisGym) | hard 11x11 (VisGym)",
                               meaningful=True)
     env_style: str = setting("ours", "ours | visgym: VisGym's maze for a seed, drawing, texts and parser (env.py)",
@@ -64,8 +68,7 @@ class TaskConfig:
     cell_px: int = setting(0, "cell size in pixels; 0: the style's own (32 ours: one cell per merged visual "
                               "token; 25 visgym)", meaningful=True)
     max_turns: int = setting(15, "turns per episode, in training and evaluation", meaningful=True)
-    max_new_tokens: int = setting(0, f"tokens per reply; 0: {MAX_NEW_TOKENS['tiny']} for the tiny model (a reply "
-                                     f"is one move), {MAX_NEW_TOKENS['real']} for a real Qwen3-VL", meaningful=True)
+    max_new_tokens: int = setting(8, "tokens per reply (the tiny model's reply is one move)", meaningful=True)
     max_model_len: int = setting(4096, "the engine's context length (prompt, images and replies)")
     max_images: int = setting(0, "keep only the last k images in the conversation; 0: the full history",
                               meaningful=True)
@@ -77,9 +80,7 @@ class TaskConfig:
 class GRPOConfig:
     _argument_group_name = "GRPO (rollouts, rewards and the loss)"
     steps: int = setting(150, "training steps (one rollout batch and its update each)")
-    prompts_per_step: int = setting(0, "mazes per step over all ranks; each is played group_size times; 0: "
-                                       f"{PROMPTS_PER_STEP['tiny']} for the tiny model, {PROMPTS_PER_STEP['real']} "
-                                       "for a real Qwen3-VL (it divides among 1, 6, 8 or 16 processes)",
+    prompts_per_step: int = setting(4, "mazes per step over all ranks; each is played group_size times",
                                     meaningful=True)
     group_size: int = setting(8, "episodes per maze: the group whose mean reward is the baseline", meaningful=True)
     temperature: float = setting(0.5, "rollout sampling temperature; the loss uses the same tempered policy",
@@ -97,12 +98,10 @@ class GRPOConfig:
                            meaningful=True)
     tis_cap: float = setting(2.0, "truncated importance sampling against the engine's logprobs; 0: off",
                              meaningful=True)
-    branch_points_per_group: int = setting(-1, "branch rollouts (branch.py): per group, up to this many forks its "
-                                               "members passed are replayed with every open move forced and the "
-                                               "policy finishing each; the best branch's move becomes a target, "
-                                               "L = -w log pi_T(a* | s). 0: off; -1: "
-                                               f"{BRANCH_POINTS['tiny']} for the tiny model, {BRANCH_POINTS['real']} "
-                                               "for a real Qwen3-VL", meaningful=True)
+    branch_points_per_group: int = setting(2, "branch rollouts (branch.py): per group, up to this many forks its "
+                                              "members passed are replayed with every open move forced and the "
+                                              "policy finishing each; the best branch's move becomes a target, "
+                                              "L = -w log pi_T(a* | s). 0: off", meaningful=True)
     branch_weight: float = setting(8.0, "w, the advantage on a branch target's reply tokens (8: a group's worth)",
                                    meaningful=True)
 
@@ -124,20 +123,18 @@ class OptimConfig:
     ppo_epochs: int = setting(1, "passes over each rollout batch (PPO's sample reuse; the clip bounds the drift)",
                               meaningful=True)
     micro_batch_size: int = setting(16, "sequences per forward/backward (memory only: the gradient is the same)")
-    micro_batch_tokens: int = setting(-1, "and at most this many tokens, padded, per forward/backward (memory "
-                                          f"only); -1: {MICRO_BATCH_TOKENS['real']} for a real Qwen3-VL, no limit "
-                                          "(0) for the tiny model")
+    micro_batch_tokens: int = setting(0, "and at most this many tokens, padded, per forward/backward (memory "
+                                         "only); 0: no limit")
 
 
 @dataclass
 class LoRAConfig:
     _argument_group_name = "LoRA and sharding"
-    lora_rank: int = setting(0, f"0: {LORA_RANK['tiny']} for the tiny model, {LORA_RANK['real']} (the published "
-                                f"recipe) for a real Qwen3-VL; vLLM takes {list(rollout.VLLM_LORA_RANKS)}",
+    lora_rank: int = setting(32, f"LoRA rank (the published recipe's); vLLM takes {list(vllm_engine.VLLM_LORA_RANKS)}",
                              meaningful=True)
-    lora_alpha: int = setting(0, "0: 2 * rank", meaningful=True)
+    lora_alpha: int = setting(0, "LoRA alpha; 0: 2 x rank (PEFT's scale alpha / rank is then 2)", meaningful=True)
     lora_dropout: float = setting(0.0, "dropout on the LoRA input", meaningful=True)
-    lora_targets: str = setting(rollout.LORA_TARGET_REGEX, "the modules that get a LoRA (a regex)", meaningful=True)
+    lora_targets: str = setting(vllm_engine.LORA_TARGET_REGEX, "the modules that get a LoRA (a regex)", meaningful=True)
     shard_group_size: int = setting(0, "processes that shard one copy of the policy; 0: one node (HSDP)")
 
 
@@ -147,10 +144,10 @@ class EngineConfig:
     gpu_memory_utilization: float = setting(0.45, "the engine's share of GPU memory")
     engine_sleep: str = setting("offload", "how the engine frees the GPU for the update: offload (weights to "
                                            "host RAM) | kv (drop only the KV cache) | none | auto (decides after "
-                                           "the first step; rollout.EngineSleep). CPU: always none")
+                                           "the first step; vllm_engine.EngineSleep). CPU: always none")
     mismatch_bound: float = setting(0.0, "stop when the trainer-vs-engine logprob mismatch stays above this for "
                                          "mismatch_steps steps in a row (a stale adapter in the engine); 0: 5x the "
-                                         "stack's noise, measured at the first step (policy.StalePolicyGuard)")
+                                         "stack's noise, measured at the first step (update.StalePolicyGuard)")
     mismatch_steps: int = setting(3, "steps in a row over the bound before stopping; 0: never stop")
 
 
@@ -189,6 +186,8 @@ class Config(*reversed(SECTIONS)):
 
     def validate(self, world_size: int):
         problems = []
+        if self.recipe not in ("auto", *RECIPES):
+            problems.append(f"recipe must be auto or one of {list(RECIPES)}")
         if self.difficulty not in env.DIFFICULTY_SIZES:
             problems.append(f"difficulty must be one of {list(env.DIFFICULTY_SIZES)}")
         if self.env_style not in env.MAZE_STYLES:
@@ -210,44 +209,48 @@ class Config(*reversed(SECTIONS)):
             problems.append("lr_schedule must be wsd, cosine or constant")
         if not 0 < self.decay_frac <= 1:
             problems.append("decay_frac must be in (0, 1]")
-        if self.branch_points_per_group < -1 or self.branch_weight <= 0:
-            problems.append("branch_points_per_group must be >= 0 (-1: the model's default) and branch_weight > 0")
+        if self.branch_points_per_group < 0 or self.branch_weight <= 0:
+            problems.append("branch_points_per_group must be >= 0 and branch_weight > 0")
         if self.tis_cap < 0 or self.train_pool < 0 or self.sampled_eval_samples < 0 or self.max_new_tokens < 0 \
-                or self.prompts_per_step < 0 or self.micro_batch_tokens < -1:
-            problems.append("tis_cap, train_pool, sampled_eval_samples, max_new_tokens, prompts_per_step and "
-                            "micro_batch_tokens must be >= 0 (-1: the model's default for the last)")
+                or self.micro_batch_tokens < 0:
+            problems.append("tis_cap, train_pool, sampled_eval_samples, max_new_tokens and micro_batch_tokens must "
+                            "be >= 0")
         for name in ("steps", "ppo_epochs", "max_turns", "micro_batch_size", "eval_interval",
                      "ckpt_interval", "export_interval", "keep_checkpoints", "keep_syncs"):
             if getattr(self, name) < 1:
                 problems.append(f"{name} must be >= 1")
-        if self.engine_sleep not in rollout.ENGINE_SLEEP_MODES:
-            problems.append(f"engine_sleep must be one of {list(rollout.ENGINE_SLEEP_MODES)}")
+        if self.engine_sleep not in vllm_engine.ENGINE_SLEEP_MODES:
+            problems.append(f"engine_sleep must be one of {list(vllm_engine.ENGINE_SLEEP_MODES)}")
         if self.mismatch_bound < 0 or self.mismatch_steps < 0:
             problems.append("mismatch_bound and mismatch_steps must be >= 0")
-        if self.lora_rank and self.lora_rank not in rollout.VLLM_LORA_RANKS:
-            problems.append(f"lora_rank {self.lora_rank}: the engine (vLLM) takes only {list(rollout.VLLM_LORA_RANKS)}")
+        if self.prompts_per_step < 1:
+            problems.append("prompts_per_step must be >= 1")
+        if self.lora_rank not in vllm_engine.VLLM_LORA_RANKS:
+            problems.append(f"lora_rank {self.lora_rank}: the engine (vLLM) takes only {list(vllm_engine.VLLM_LORA_RANKS)}")
         if problems:
             raise SystemExit("bad config: " + "; ".join(problems))
 
     def resolve_model_defaults(self, model_path: str):
-        """Fill the model-dependent defaults (the fields left at 0, the branch points at -1) from the
-        model's own config: the tiny model's values for a language model narrower than
-        TINY_HIDDEN_SIZE, else a real Qwen3-VL's. Before the run directory is opened: config.json and checkpoints hold the values used."""
+        """Apply the model's recipe (--recipe auto: qwen3-vl for a language model TINY_HIDDEN_SIZE
+        wide or wider, tiny below) and fill LoRA alpha. Before the run directory is opened:
+        config.json and checkpoints hold the values used."""
         from transformers import AutoConfig
 
-        kind = "tiny" if AutoConfig.from_pretrained(model_path).text_config.hidden_size < TINY_HIDDEN_SIZE else "real"
-        self.resolve_defaults_for(kind)
+        if self.recipe == "auto":
+            wide = AutoConfig.from_pretrained(model_path).text_config.hidden_size >= TINY_HIDDEN_SIZE
+            self.recipe = "qwen3-vl" if wide else "tiny"
+        self.apply_recipe(self.recipe)
 
-    def resolve_defaults_for(self, kind: str):
-        """The model-dependent defaults of a "tiny" or a "real" model (resolve_model_defaults)."""
-        self.prompts_per_step = self.prompts_per_step or PROMPTS_PER_STEP[kind]
-        if self.micro_batch_tokens == -1:
-            self.micro_batch_tokens = MICRO_BATCH_TOKENS[kind]
-        self.lora_rank = self.lora_rank or LORA_RANK[kind]
+    def apply_recipe(self, name: str):
+        """RECIPES[name]'s values, for every field a command line did not set (parse_config records
+        which it did; a Config built in code counts the fields that differ from their defaults)."""
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        given = getattr(self, "given", None)
+        for field, value in RECIPES[name].items():
+            if field not in given if given is not None else getattr(self, field) == defaults[field]:
+                setattr(self, field, value)
+        self.recipe = name
         self.lora_alpha = self.lora_alpha or 2 * self.lora_rank
-        self.max_new_tokens = self.max_new_tokens or MAX_NEW_TOKENS[kind]
-        if self.branch_points_per_group == -1:
-            self.branch_points_per_group = BRANCH_POINTS[kind]
 
 
 def meaningful_fields() -> list[str]:
@@ -299,5 +302,11 @@ def parse_config(argv=None, description: str = __doc__) -> Config:
     """A Config from command-line flags (sys.argv when argv is None): --prompts-per-step 8, --lr 5e-4, ..."""
     parser = ConfigParser(SECTIONS, description=description, formatter_class=HelpFormatter,
                           usage="%(prog)s [--flag value ...]  (the flags by section below)")
-    return Config(**vars(parser.parse_args(argv)))
+    cfg = Config(**vars(parser.parse_args(argv)))
+    # which fields the command line set, so that a recipe changes only the others (apply_recipe):
+    # parsed again with every default replaced by a marker, a field still holding it was not given
+    unset = object()
+    parser.set_defaults(**{f.name: unset for f in dataclasses.fields(Config)})
+    cfg.given = {name for name, value in vars(parser.parse_args(argv)).items() if value is not unset}
+    return cfg
 

@@ -25,6 +25,7 @@ import checkpoint
 import distributed
 import grpo
 import rollout
+import vllm_engine
 
 # ----------------------------------------------------------------------------- the policy
 
@@ -185,12 +186,6 @@ def base_weight_bytes(model, bytes_per_parameter: int = 2) -> int:
     return bytes_per_parameter * sum(p.numel() for p in model.parameters() if not p.requires_grad)
 
 
-def make_optimizer(model, lr: float, weight_decay: float = 0.0):
-    """AdamW over the LoRA weights, one rate for A and B (LoRA+'s faster B did not help here:
-    docs/experiments.md, 'Other levers')."""
-    return torch.optim.AdamW([p for _, p in lora_parameters(model)], lr=lr, weight_decay=weight_decay)
-
-
 def qwen3_vl_model(model):
     """The Qwen3VLModel inside the PEFT wrapper (or a plain HF Qwen3VLForConditionalGeneration): the
     vision tower (.visual) and the language model together, without the LM head."""
@@ -213,7 +208,7 @@ class Batch:
         self.sequences = sequences
         self.processor = processor
         self.image_token_id = processor.image_token_id
-        self.banned_token_ids = rollout.vision_token_ids(processor)  # what sampling was biased against
+        self.banned_token_ids = vllm_engine.vision_token_ids(processor)  # what sampling was biased against
         self.pad_id = processor.tokenizer.pad_token_id or 0
         self._keys = {}  # id(image) -> content digest
         self._pixels = {}  # digest -> (pixel_values, grid_thw)
@@ -296,7 +291,7 @@ def takes_encoder_outputs() -> bool:
 def sequence_logprobs(model, inputs: dict, temperature: float = 1.0, banned_token_ids=()) -> torch.Tensor:
     """Log-probs of each next token under the policy the engine sampled from, as the engine reports
     them: at T = 1 the model's own, at another temperature those of the tempered distribution after
-    the engine's logit bias against `banned_token_ids` (rollout.logprobs_mode).
+    the engine's logit bias against `banned_token_ids` (vllm_engine.logprobs_mode).
 
     The model runs without its LM head over the sequence (it computes the last position's logits
     only, logits_to_keep=1); the final hidden states, caught as the last norm's output, go through
@@ -308,235 +303,11 @@ def sequence_logprobs(model, inputs: dict, temperature: float = 1.0, banned_toke
         model(**inputs, logits_to_keep=1)
     finally:
         hook.remove()
-    processed = rollout.logprobs_mode(temperature) == "processed_logprobs"
-    bias = rollout.sampling_logit_bias(banned_token_ids) if processed else None
+    processed = vllm_engine.logprobs_mode(temperature) == "processed_logprobs"
+    bias = vllm_engine.sampling_logit_bias(banned_token_ids) if processed else None
     # (after the root FSDP unit's forward its own parameters, the head among them, stay gathered)
     head = model.get_output_embeddings().weight
     return grpo.chunked_token_logprobs(hidden[-1][:, :-1], head, inputs["input_ids"][:, 1:], temperature, bias)
-
-
-def pad_rows(rows: list, device) -> torch.Tensor:
-    out = torch.zeros((len(rows), max(len(r) for r in rows)), device=device)
-    for i, r in enumerate(rows):
-        out[i, :len(r)] = r
-    return out
-
-
-def synced_micro_batches(indices: list[int], size: int, length=None, max_tokens: int = 0) -> list:
-    """Micro-batches of `indices`, padded with None up to the largest count on any rank.
-
-    With `length` (index -> token count) the sequences are sorted longest first, so each
-    micro-batch holds sequences of similar length and little compute goes to padding. The
-    gradient is a sum over sequences, so the order does not change it. A micro-batch holds at
-    most `size` sequences and, with `max_tokens`, at most that many tokens once padded to its
-    longest (count x longest): what the update's memory follows (bench/sizing.py); a sequence
-    longer than the budget goes alone. FSDP's forward and backward are collectives, so every rank
-    must run the same number of them; ranks with fewer sequences run a zero-weight filler (None)."""
-    if length is not None:
-        indices = sorted(indices, key=length, reverse=True)
-    local = []
-    for i in indices:
-        current = local[-1] if local else None
-        fits = current is not None and len(current) < size and (
-            max_tokens <= 0 or length is None or (len(current) + 1) * length(current[0]) <= max_tokens)
-        if fits:
-            current.append(i)
-        else:
-            local.append([i])
-    return local + [None] * (int(distributed.max_over_ranks(len(local))) - len(local))
-
-
-class MismatchMeter:
-    """Token-weighted logprob mismatch (trainer vs vLLM) over micro-batches and ranks."""
-
-    def __init__(self):
-        self.sums = [0.0, 0.0, 0.0]  # |diff| sum, k3 sum, tokens
-        self.worst = 0.0
-
-    def add(self, logprobs, rollout_logprobs, mask):
-        m = grpo.logprob_mismatch(logprobs, rollout_logprobs, mask)
-        tokens = grpo.sampled_mask(mask, rollout_logprobs).sum().item()  # forced tokens were not sampled
-        self.sums = [self.sums[0] + m["mismatch_abs_mean"] * tokens, self.sums[1] + m["mismatch_k3"] * tokens,
-                     self.sums[2] + tokens]
-        self.worst = max(self.worst, m["mismatch_abs_max"])
-
-    def result(self) -> dict:
-        """Reduced over all ranks (a collective: every rank must call it). mismatch_tokens 0: nothing
-        was measured (the step trained no sampled token), and the means say nothing."""
-        abs_sum, k3_sum, tokens = distributed.sum_over_ranks(self.sums)
-        return {"mismatch_abs_mean": abs_sum / max(tokens, 1.0), "mismatch_k3": k3_sum / max(tokens, 1.0),
-                "mismatch_abs_max": distributed.max_over_ranks(self.worst), "mismatch_tokens": tokens}
-
-
-class StalePolicyGuard:
-    """Stops the run when the engine is evidently not sampling from the policy being trained.
-
-    The per-step mismatch (mean |log pi_trainer - log pi_engine| over the sampled tokens, reduced
-    over ranks, so every rank decides alike) sits at the stack's own noise when the sync works:
-    ~1e-7 on a CPU in fp32, ~1e-3..1e-2 on a GPU in bf16, which TIS absorbs. A stale adapter in
-    the engine (a reused id, a sync that did not land, an adapter lost after sleep/wake: vLLM
-    issue 53888) shows as a mismatch above that, growing step after step as the trained policy
-    moves away from the one the engine still serves; training on such samples is training on
-    another policy's data. After `steps` steps in a row above the bound, one line and exit.
-
-    The bound is the stack's noise times NOISE_FACTOR, measured where nothing else can be in it:
-    the first step of a fresh run, whose LoRA is PEFT's initial one (B = 0: the base model, with
-    or without the adapter in the engine), every sampled sequence measured (`calibrating`). It is
-    never below FLOOR (1e-3 on a CPU, ~1,000x its noise; a skipped sync of the tiny model measured
-    ~0.2), and a checkpoint carries it (`bound`), so a resumed run keeps it. Given (--mismatch-bound)
-    it is fixed; a run resumed from a checkpoint without one takes LEGACY_BOUND. A step that
-    measured no token (every group without reward spread: the update ran no sequence) is no
-    evidence either way: it neither counts nor breaks a streak. steps 0: off."""
-
-    NOISE_FACTOR = 5.0
-    FLOOR = {"cpu": 1e-3, "gpu": 2e-3}
-    LEGACY_BOUND = {"cpu": 1e-3, "gpu": 0.1}  # the fixed bounds before calibration
-
-    def __init__(self, bound: float = 0.0, steps: int = 3, on_gpu: bool = False, start_step: int = 0,
-                 saved_bound: float | None = None):
-        self.stack = "gpu" if on_gpu else "cpu"
-        self.bound = bound or saved_bound or (None if start_step == 0 else self.LEGACY_BOUND[self.stack])
-        self.steps = steps
-        self.above = []  # the mismatches of the current run of steps above the bound
-
-    @property
-    def calibrating(self) -> bool:
-        """The next step measures the noise: the update measures every sampled sequence."""
-        return self.bound is None
-
-    def check(self, step: int, mismatch: float, tokens: float = 1.0):
-        if tokens == 0:
-            return
-        if self.bound is None:
-            self.bound = max(self.FLOOR[self.stack], self.NOISE_FACTOR * mismatch)
-            return
-        self.above = self.above + [mismatch] if mismatch > self.bound else []
-        if self.steps and len(self.above) >= self.steps:
-            raise SystemExit(
-                f"step {step}: the trainer's and the engine's log-probs of the sampled tokens differ by "
-                f"{', '.join(f'{m:.3g}' for m in self.above[-self.steps:])} (mean |difference|) in {self.steps} "
-                f"steps in a row, above the bound {self.bound:.3g}: the engine is not sampling from the policy "
-                "being trained. Likely causes: the new adapter did not reach the engine (a reused LoRA id or "
-                "path, a failed or skipped sync, an adapter lost in sleep/wake), a temperature or logprob mode "
-                "that differs between engine and trainer, or another base model in the engine. Stopped before "
-                "training on more of them; --mismatch-bound raises the bound, --mismatch-steps 0 turns this off.")
-
-
-@torch.no_grad()
-def fill_old_logprobs(model, batch: Batch, experiences: list, cfg, device, with_ref: bool) -> dict:
-    """pi_old (and pi_ref for the KL) of every sampled token, when the update is not single-pass;
-    also the proof that the engine sampled from this same policy (the mismatch)."""
-    mismatch, temperature = MismatchMeter(), cfg.temperature
-    model.eval()
-    for idx in synced_micro_batches(list(range(len(experiences))), cfg.micro_batch_size, batch.length,
-                                    cfg.micro_batch_tokens):
-        inputs, mask, rollout_lp = batch.micro([0] if idx is None else idx, device)
-        lp = sequence_logprobs(model, inputs, temperature, batch.banned_token_ids)
-        ref = None
-        if with_ref:
-            with model.disable_adapter():  # the reference policy is the base model
-                ref = sequence_logprobs(model, inputs, temperature, batch.banned_token_ids)
-        if idx is None:  # a filler: FSDP needs every rank in every forward
-            continue
-        for row, i in enumerate(idx):  # unpadded rows: the update may group them differently
-            n = len(experiences[i].sequence.token_ids) - 1
-            experiences[i].old_logprobs = lp[row, :n].cpu()
-            experiences[i].ref_logprobs = None if ref is None else ref[row, :n].cpu()
-        mismatch.add(lp, rollout_lp, mask)
-    return mismatch.result()
-
-
-
-# ----------------------------------------------------------------------------- the update
-
-def make_scheduler(optimizer, cfg):
-    """transformers' schedules: a linear warm-up from 0, then warmup-stable-decay (constant, then a
-    cosine decay to 0 over the last decay_frac of the run: the policy a run ends with is then the
-    settled end of its trajectory, not one noisy step of it), a cosine decay over the whole run,
-    or constant."""
-    from transformers import get_scheduler
-
-    total = cfg.steps * cfg.num_mini_batches * cfg.ppo_epochs
-    if cfg.lr_schedule == "wsd":
-        return get_scheduler("warmup_stable_decay", optimizer, num_warmup_steps=cfg.warmup_steps,
-                             num_training_steps=total,
-                             scheduler_specific_kwargs={"num_decay_steps": max(1, round(cfg.decay_frac * total))})
-    return get_scheduler("cosine" if cfg.lr_schedule == "cosine" else "constant_with_warmup", optimizer,
-                         num_warmup_steps=cfg.warmup_steps, num_training_steps=total)
-
-
-def single_pass(cfg) -> bool:
-    """One optimizer step per rollout batch and no KL term: the policy being updated IS the one
-    that sampled, so pi_old = pi_theta.detach() and the separate old-logprob pass is skipped."""
-    return cfg.num_mini_batches == 1 and cfg.ppo_epochs == 1 and cfg.kl_coef == 0
-
-
-def grpo_update(cfg, model, optimizer, scheduler, batch: Batch, experiences: list, num_episodes: int,
-                device, measure_every_sequence: bool = False) -> dict:
-    """Mini-batches of episodes (one optimizer step each) of micro-batches of their sequences.
-
-    Without old logprobs (single pass) the ratio is exp(logp - logp.detach()) = 1 with the
-    gradient of logp, and the rollout mismatch is measured on this very forward pass. Sequences
-    whose advantages are all 0 (every member of their group scored the same) are not run when
-    there is no KL term: their loss and gradient are exactly zero. They still count in the
-    normaliser, so the update is the same as if they had been run, only cheaper.
-
-    Otherwise (mini-batches, epochs or a KL term) pi_old, and pi_ref for the KL, are computed
-    first, before the first optimizer step moves the policy (fill_old_logprobs).
-
-    measure_every_sequence runs the zero-advantage sequences too (their gradient is still exactly
-    zero), so that the mismatch covers every sampled token: StalePolicyGuard's calibration step."""
-    before = {}
-    if not single_pass(cfg):
-        before = fill_old_logprobs(model, batch, experiences, cfg, device, with_ref=cfg.kl_coef > 0)
-    model.train()
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    per_mini = num_episodes // cfg.num_mini_batches
-    stats = {k: [] for k in ("clip_frac", "ratio_mean", "kl", "pg_loss", "tis_weight_mean", "tis_capped_frac",
-                             "grad_norm")}
-    mismatch, trained = MismatchMeter(), 0
-    for mb in [m for _ in range(cfg.ppo_epochs) for m in range(cfg.num_mini_batches)]:
-        in_mini = [i for i, x in enumerate(experiences) if mb * per_mini <= x.episode < (mb + 1) * per_mini]
-        # Normaliser: token-mean divides by the mini-batch's response tokens over ALL ranks
-        # (seq-mean by its sequences), then by world size since FSDP averages gradients.
-        count = sum(sum(experiences[i].sequence.response_mask) if cfg.loss_aggregation == "token-mean" else 1
-                    for i in in_mini)
-        normalizer = distributed.sum_over_ranks([count])[0] / dist.get_world_size()
-        if cfg.kl_coef == 0 and not measure_every_sequence:
-            in_mini = [i for i in in_mini if bool(experiences[i].advantages.any())]
-        trained += len(in_mini)
-        optimizer.zero_grad(set_to_none=True)
-        for idx in synced_micro_batches(in_mini, cfg.micro_batch_size, batch.length, cfg.micro_batch_tokens):
-            rows = [0] if idx is None else idx  # a filler runs any one sequence, with weight 0
-            inputs, mask, rollout_lp = batch.micro(rows, device)
-            lp = sequence_logprobs(model, inputs, cfg.temperature, batch.banned_token_ids)
-            xs = [experiences[i] for i in rows]
-            old_lp = lp.detach() if xs[0].old_logprobs is None else pad_rows([x.old_logprobs for x in xs], device)
-            loss, m = grpo.policy_loss(
-                lp, old_lp, pad_rows([x.advantages for x in xs], device), mask,
-                clip_eps_low=cfg.clip_eps_low, clip_eps_high=cfg.clip_eps_high,
-                aggregation=cfg.loss_aggregation, loss_normalizer=normalizer,
-                ref_logprobs=pad_rows([x.ref_logprobs for x in xs], device) if cfg.kl_coef > 0 else None,
-                kl_coef=cfg.kl_coef, rollout_logprobs=rollout_lp, tis_cap=cfg.tis_cap)
-            (loss * (0.0 if idx is None else 1.0)).backward()
-            if idx is None:
-                continue
-            for k in m:
-                stats[k].append(m[k])
-            if xs[0].old_logprobs is None:
-                mismatch.add(lp.detach(), rollout_lp, mask)
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
-        stats["grad_norm"].append((grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm).item())
-        optimizer.step()
-        scheduler.step()
-    neutral = {"ratio_mean": 1.0, "tis_weight_mean": 1.0}  # what a step that trained nothing reports
-    out = {k: sum(v) / len(v) if v else neutral.get(k, 0.0) for k, v in stats.items()}
-    out.update(lr=scheduler.get_last_lr()[0], trained_sequence_frac=trained / max(len(experiences), 1))
-    out.update(mismatch.result() if single_pass(cfg) else before)
-    if torch.cuda.is_available():
-        optimizer.zero_grad(set_to_none=True)  # the gradients are spent: free them for the engine
-        torch.cuda.empty_cache()  # and the trainer's cached blocks (vLLM's wake_up does it too)
-    return out
 
 
 # ----------------------------------------------------------------------------- the adapter
@@ -556,7 +327,7 @@ def gather_lora_state(model) -> dict:
 
 def publish_adapter(model, shared: Path, step: int, keep: int, base_model: dict) -> tuple[Path, dict, int]:
     """Write the current LoRA to <shared>/sync/step_<N>, where every rank's engine can read it
-    (rollout.load_adapter). Collective: every rank gathers the full LoRA, rank 0 writes it, and
+    (vllm_engine.load_adapter). Collective: every rank gathers the full LoRA, rank 0 writes it, and
     a failed write stops every rank, not only the one that failed. Returns the adapter's
     directory, the full LoRA state (for checkpoints and exports) and its size in bytes."""
     state = gather_lora_state(model)

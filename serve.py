@@ -41,13 +41,14 @@ import config
 import env
 import policy
 import rollout
+import vllm_engine
 import visgym
 
 ROOT = Path(__file__).resolve().parent
 
-VLLM_LORA_RANKS = rollout.VLLM_LORA_RANKS  # what vLLM takes for --max-lora-rank
+VLLM_LORA_RANKS = vllm_engine.VLLM_LORA_RANKS  # what vLLM takes for --max-lora-rank
 # With no adapter to measure yet, fit the rank train.py gives real models (config.py).
-DEFAULT_LORA_RANK = config.LORA_RANK["real"]
+DEFAULT_LORA_RANK = config.Config().lora_rank
 
 
 # ----------------------------------------------------------------------------- adapters on disk
@@ -325,7 +326,7 @@ def vllm_argv(args, max_lora_rank: int, extra: list[str]) -> list[str]:
         "--middleware", f"{__name__}.ServedRoutesOnly",
     ]
     if not on_gpu:
-        # Whole prefills, like rollout.build_engine on CPU: a seeded request whose prefill is split
+        # Whole prefills, like vllm_engine.build_engine on CPU: a seeded request whose prefill is split
         # over engine steps kills the CPU engine ("CPU Generator does not use offset").
         argv += ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(max(args.max_model_len, 8192))]
     if args.api_key:
@@ -384,7 +385,7 @@ def serve(argv: list[str]):
     # go to FlashInfer's sampler on a GPU, whose kernels vLLM 0.33's wheel lacks and would fetch or
     # compile at run time (not on an offline node): vLLM's native sampler instead, unless the user
     # set the variable. Pinned vllm 0.33.0: vllm/envs.py:884-891, read when the engine core
-    # builds its sampler, vllm/v1/sample/ops/topk_topp_sampler.py:118-125 (more in rollout.build_engine).
+    # builds its sampler, vllm/v1/sample/ops/topk_topp_sampler.py:118-125 (more in vllm_engine.build_engine).
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     from vllm.lora.resolver import LoRAResolverRegistry
 

@@ -1,6 +1,6 @@
 """Supervised warm start: teach the model the task from shortest-path demonstrations.
 
-    python sft.py --out runs/sft [--model <dir>] [--difficulty small] [--steps 1500]
+    python sft.py --out runs/sft [--model <dir>] [--difficulty small] [--steps 250]
 
 GRPO only sharpens what a policy already does sometimes: from a random model no maze is ever
 solved, every group has zero variance and nothing is learned. So, as in the published recipe,
@@ -22,7 +22,7 @@ demonstrator leaves the optimal path for a detour of 1 to `--max-detour` wrong m
 straight back, so it goes deeper; a move into a wall is a bump), and those turns are not trained
 on. The model then sees off-path states and learns the way back from them. The main job uses
 clean demonstrations (`--noise 0`, the default): on 7x7 mazes they gave the better warm start in
-each of three seeds (README). Every trained turn is then a turn of the shortest path itself, so
+each of three seeds (docs/experiments.md, 2026-12-01). Every trained turn is then one of the shortest path, so
 the fork decisions that decide a maze get all of the signal.
 """
 
@@ -44,6 +44,7 @@ import env
 import grpo
 import policy
 import rollout
+import vllm_engine
 import rundir
 import visgym
 
@@ -174,7 +175,9 @@ def main():
     parser.add_argument("--model", default="", help="HF model dir or id; empty: the tiny model")
     parser.add_argument("--out", default="runs/sft", help="where the fine-tuned model is written")
     parser.add_argument("--difficulty", default="small")
-    parser.add_argument("--steps", type=int, default=1500)
+    parser.add_argument("--steps", type=int, default=250,
+                        help="the main job's warm start: it stops in the 30-60%% band of held-out solve rate, so "
+                             "that GRPO has room to show what it adds (3,000 steps reach ~92%%: docs/experiments.md)")
     parser.add_argument("--batch-size", type=int, default=4,
                         help="sequences per optimizer step (one per maze with full history, one per turn otherwise)")
     parser.add_argument("--lr", type=float, default=2e-3)
@@ -218,7 +221,7 @@ def main():
     if args.lora_rank:  # only the adapter learns: what GRPO's LoRA can take in per step, with SFT's signal
         from peft import LoraConfig, get_peft_model
 
-        lora = LoraConfig(r=args.lora_rank, lora_alpha=2 * args.lora_rank, target_modules=rollout.LORA_TARGET_REGEX)
+        lora = LoraConfig(r=args.lora_rank, lora_alpha=2 * args.lora_rank, target_modules=vllm_engine.LORA_TARGET_REGEX)
         model = get_peft_model(model, lora)
     optimizer = make_optimizer(model, args.lr, args.vision_lr)
     # linear warm-up, then a cosine decay to zero at the last step

@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parent
 DEFAULT_DIR = ROOT / ".cache" / "tiny-qwen3-vl"
 BUILD_VERSION = 3  # bump when the architecture, processor, tokenizer or vision pretraining recipe changes
 VISION_STEPS = 800  # perception pretraining of the vision tower (see pretrain_vision)
-TEXT_LAYERS = 2  # language-model depth; deeper ones generalise better to unseen layouts, at a cost (README)
+TEXT_LAYERS = 2  # language-model depth; deeper ones generalise better to unseen layouts, at a cost (docs/experiments.md)
 
 # Qwen's special tokens. The vision ones are what the Qwen3-VL processor and vLLM look for.
 SPECIAL_TOKENS = [
@@ -315,11 +315,11 @@ def random_lora(model_dir, out_dir, *, rank: int = 8, seed: int = 0, b_std: floa
     from peft import LoraConfig, get_peft_model
     from transformers import Qwen3VLForConditionalGeneration
 
-    import rollout
+    import vllm_engine
 
     model = Qwen3VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32)
     torch.manual_seed(seed)
-    model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=rollout.LORA_TARGET_REGEX))
+    model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=vllm_engine.LORA_TARGET_REGEX))
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "lora_B" in name:

@@ -7,22 +7,23 @@
 Every flag, its default and its section: config.py (or --help).
 
 Every process owns two things: an FSDP2 shard of the policy (HF Qwen3-VL + PEFT LoRA, policy.py)
-and a whole in-process vLLM engine (rollout.py). One step:
+and a whole in-process vLLM engine (vllm_engine.py), through which rollout.py plays. One step:
 
     1. rollouts      every rank plays its share of the step's mazes, group_size episodes each
     2. advantages    rewards are normalised within each group over all ranks (grpo.py), plus
                      GiGPO's step-level term for moves made from the same cell
-    3. update        the policy-gradient loss on the sampled tokens (policy.py): by default one
+    3. update        the policy-gradient loss on the sampled tokens (update.py): by default one
                      pass and one optimizer step, so the ratio is 1 and the clip never acts; it
                      does with --num-mini-batches or --ppo-epochs above 1
     4. sync          rank 0 writes the LoRA adapter to shared storage (policy.py); every engine
-                     loads it under a new id (rollout.py), and the next step's logprob mismatch
-                     proves it did
+                     loads it under a new id (vllm_engine.py), and the next update measures the
+                     engine's log-probs against the trainer's on the tokens it trains (a step that
+                     trains none measures nothing; update.StalePolicyGuard)
     5. eval / checkpoint / export on their intervals (checkpoint.py), one metrics line per step
        (rundir.py)
 
 On a GPU the engine sleeps while the trainer updates (--engine-sleep: by default its weights go
-to host RAM and its KV cache is dropped; rollout.EngineSleep has the other choices) and wakes up
+to host RAM and its KV cache is dropped; vllm_engine.EngineSleep has the other choices) and wakes up
 for the next rollouts; on a CPU sleep does not exist and both stay put.
 
 What of GRPO this keeps (DeepSeekMath Sec. 4): group-relative advantages with the std division
@@ -49,7 +50,9 @@ import distributed
 import env
 import grpo
 import policy
+import update
 import rollout
+import vllm_engine
 import rundir
 import visgym
 from config import Config, parse_config
@@ -105,7 +108,7 @@ def build_rank_engine(cfg: Config, model_path: str, rank: int):
     the global generators when it starts, so they are put back to what they were (a fresh run's,
     or the checkpoint's) afterwards."""
     rng, t0 = checkpoint.rng_states(), time.time()
-    engine = rollout.build_engine(model_path, max_model_len=cfg.max_model_len, max_lora_rank=cfg.lora_rank,
+    engine = vllm_engine.build_engine(model_path, max_model_len=cfg.max_model_len, max_lora_rank=cfg.lora_rank,
                                   seed=cfg.seed + rank, gpu_memory_utilization=cfg.gpu_memory_utilization,
                                   max_images=cfg.max_turns + 1, external_launcher=True,
                                   sleep_mode=cfg.engine_sleep != "none",
@@ -113,7 +116,7 @@ def build_rank_engine(cfg: Config, model_path: str, rank: int):
                                   * env.cell_px_of(cfg.env_style, cfg.cell_px),
                                   # at T = 1 the raw model's log-probs (vLLM's default); at another
                                   # temperature, those of the distribution it sampled from
-                                  logprobs_mode=rollout.logprobs_mode(cfg.temperature))
+                                  logprobs_mode=vllm_engine.logprobs_mode(cfg.temperature))
     checkpoint.set_rng_states(rng)
     log0(f"vLLM engine ready in {time.time() - t0:.1f}s" + ("" if torch.cuda.is_available() else
          "; CPU: vLLM has no sleep mode here, so the engine and the trainer both stay resident"))
@@ -125,7 +128,7 @@ def sync(model, engine, shared: Path, step: int, cfg: Config, base: dict):
     (rollout), under a new id. Returns the engine's LoRARequest, the full LoRA state, the stats."""
     t0 = time.time()
     path, lora_state, nbytes = policy.publish_adapter(model, shared, step, cfg.keep_syncs, base)
-    lora_request = rollout.load_adapter(engine, path, step)
+    lora_request = vllm_engine.load_adapter(engine, path, step)
     return lora_request, lora_state, {"sync_s": time.time() - t0, "sync_bytes": nbytes}
 
 
@@ -157,17 +160,17 @@ def main(cfg: Config):
     # The policy first (identical seed on every rank), then this rank's engine (its own seed).
     chat = rollout.ChatFormat.for_model(model_path)
     model = policy.build_policy(cfg, model_path)
-    optimizer = policy.make_optimizer(model, cfg.lr, cfg.weight_decay)
-    scheduler = policy.make_scheduler(optimizer, cfg)
+    optimizer = update.make_optimizer(model, cfg.lr, cfg.weight_decay)
+    scheduler = update.make_scheduler(optimizer, cfg)
     stream = env.TrainMazeStream(cfg.difficulty, eval_n=cfg.eval_mazes, pool=cfg.train_pool, style=cfg.env_style,
                                  seed=cfg.seed)
     start_step, hours = checkpoint.load(Path(ckpt), cfg, model, optimizer, scheduler, stream, log=log0) \
         if ckpt else (0, 0.0)
     log = rundir.RunLog(out, cfg, start_step) if rank == 0 else None
     engine = build_rank_engine(cfg, model_path, rank)
-    sleeper = rollout.EngineSleep(cfg.engine_sleep, on_gpu, weights_bytes=policy.base_weight_bytes(model), log=log0,
+    sleeper = vllm_engine.EngineSleep(cfg.engine_sleep, on_gpu, weights_bytes=policy.base_weight_bytes(model), log=log0,
                                   worst_over_ranks=distributed.max_over_ranks)
-    guard = policy.StalePolicyGuard(cfg.mismatch_bound, cfg.mismatch_steps, on_gpu, start_step,
+    guard = update.StalePolicyGuard(cfg.mismatch_bound, cfg.mismatch_steps, on_gpu, start_step,
                                     checkpoint.saved_meta(Path(ckpt)).get("mismatch_bound") if ckpt else None)
     lora_request, lora_state, _ = sync(model, engine, shared, start_step, cfg, base)
     if (start_step == 0 or start_step % cfg.eval_interval == 0) and not rundir.has_eval(out, start_step, run):
@@ -211,10 +214,10 @@ def main(cfg: Config):
         metrics.update(stats, **branch_stats)
         timing["advantages_s"] = time.time() - t0
 
-        # 3. the update: the policy-gradient loss on the sampled tokens (policy.grpo_update)
+        # 3. the update: the policy-gradient loss on the sampled tokens (update.grpo_update)
         t0 = time.time()
         batch = policy.Batch([x.sequence for x in experiences], chat.processor, model)
-        metrics.update(policy.grpo_update(cfg, model, optimizer, scheduler, batch, experiences, len(episodes), device,
+        metrics.update(update.grpo_update(cfg, model, optimizer, scheduler, batch, experiences, len(episodes), device,
                                           measure_every_sequence=guard.calibrating))
         del batch  # its cached image features
         timing["update_s"] = time.time() - t0

@@ -55,6 +55,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
 import rollout  # noqa: E402
+import vllm_engine  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -171,7 +172,7 @@ def bench_rollout(args) -> dict:
     lora = LoRARequest("bench", 1, str(tmp))
 
     t = time.time()
-    engine = rollout.build_engine(model_path, max_model_len=p["max_model_len"], max_lora_rank=p["lora_rank"],
+    engine = vllm_engine.build_engine(model_path, max_model_len=p["max_model_len"], max_lora_rank=p["lora_rank"],
                                   seed=0, max_images=max(p["turn_limits"]) + 1)
     out["engine_build_s"] = time.time() - t
 
@@ -420,7 +421,7 @@ def bench_sync_8b(args) -> dict:
                 path = Path(tmp) / "adapter"
                 path.mkdir()
                 t = time.time()
-                config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=rollout.LORA_TARGET_REGEX)
+                config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=vllm_engine.LORA_TARGET_REGEX)
                 config.save_pretrained(str(path))
                 save_file(state, str(path / "adapter_model.safetensors"))
                 fd = os.open(path / "adapter_model.safetensors", os.O_RDONLY)
@@ -485,7 +486,7 @@ def coldstart_child(engine_kwargs: dict):
     model_path = tiny_model()
     t_import = time.time() - t0
     t = time.time()
-    engine = rollout.build_engine(model_path, max_model_len=4096, max_lora_rank=8, seed=0, **engine_kwargs)
+    engine = vllm_engine.build_engine(model_path, max_model_len=4096, max_lora_rank=8, seed=0, **engine_kwargs)
     t_build = time.time() - t
     chat = rollout.ChatFormat.for_model(model_path)
     mazes = [env.generate_maze(7, 2_000_000 + i) for i in range(2)]

@@ -3,7 +3,7 @@
     python bench/gpu_mfu.py            # on a GPU: the 8B shape, random weights, ~8k-token sequences
     python bench/gpu_mfu.py --tiny     # anywhere, CPU included: a tiny config, to smoke-test this script
 
-What runs is the trainer's update (policy.build_policy + policy.grpo_update) without the rest:
+What runs is the trainer's update (policy.build_policy + update.grpo_update) without the rest:
 a randomly initialised Qwen3VLForConditionalGeneration of the Qwen3-VL-8B shape (bench/shapes.py;
 built from the config, nothing downloaded), bf16, PEFT LoRA rank 32 on the language model's
 linear layers, FSDP2 on a one-GPU mesh (each decoder layer, then the root; bf16 compute, fp32
@@ -64,14 +64,14 @@ def build_model(text: dict, vision: dict, ids: dict, rank: int, device, dtype, g
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
-    import rollout  # the LoRA target regex (rollout imports no vLLM at module level)
+    import vllm_engine  # the LoRA target regex (rollout imports no vLLM at module level)
 
     config = Qwen3VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=False, **ids)
     config.text_config.use_cache = False
     torch.manual_seed(0)
     with torch.device(device):
         model = Qwen3VLForConditionalGeneration._from_config(config, dtype=dtype, attn_implementation="sdpa")
-    model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=rollout.LORA_TARGET_REGEX))
+    model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=vllm_engine.LORA_TARGET_REGEX))
     if grad_ckpt:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.enable_input_require_grads()

@@ -16,7 +16,7 @@ each rank holding one engine and one FSDP2 shard (README, "On GPUs"):
                       two decoder layers gathered at a time during forward and backward
   LoRA + optimizer    fp32 LoRA weights, gradients and Adam's two moments: 16 bytes a LoRA parameter,
                       sharded
-  activations         per micro-batch of `tokens` (the recipe's budget, config.MICRO_BATCH_TOKENS), with
+  activations         per micro-batch of `tokens` (the qwen3-vl recipe's budget, config.QWEN3_VL_RECIPE), with
                       activation checkpointing: every layer's input kept (tokens x hidden x 2 bytes
                       each), one layer's working set recomputed (ACTIVATION_WIDTH, a rule of thumb),
                       the final hidden states, and one chunk of logits: grpo.chunked_token_logprobs
@@ -24,7 +24,7 @@ each rank holding one engine and one FSDP2 shard (README, "On GPUs"):
                       backward (LOGIT_BYTES a chunk entry: bf16 out, fp32 copy, tempered, exp, grad)
   context             CUDA context, NCCL buffers, allocator slack: CONTEXT_GIB, a rule of thumb
 
-Which --engine-sleep fits (rollout.EngineSleep): during rollouts the engine's share and the
+Which --engine-sleep fits (vllm_engine.EngineSleep): during rollouts the engine's share and the
 trainer's resident part (shard, LoRA + optimizer, context) must fit; during the update the
 trainer's peak plus what the engine keeps: nothing (offload), its weights + runtime (kv),
 its whole share (none). The cheapest that fits is named; offload also pins the weights in host RAM,
@@ -92,7 +92,7 @@ def parameter_counts(config: dict) -> dict:
 
 
 def lora_parameters(text: dict, rank: int) -> int:
-    """rank x (in + out) on q, k, v, o, gate, up, down of every decoder layer (rollout.LORA_TARGET_REGEX)."""
+    """rank x (in + out) on q, k, v, o, gate, up, down of every decoder layer (vllm_engine.LORA_TARGET_REGEX)."""
     import shapes
 
     return shapes.lora_parameter_count(text, rank)
@@ -122,10 +122,10 @@ def update_activation_bytes(text: dict, tokens: int) -> int:
 
 
 def recipe_tokens() -> int:
-    """The real-model recipe's micro-batch token budget (config.MICRO_BATCH_TOKENS): what train.py uses."""
+    """The qwen3-vl recipe's micro-batch token budget (config.QWEN3_VL_RECIPE): what train.py uses."""
     import config
 
-    return config.MICRO_BATCH_TOKENS["real"]
+    return config.QWEN3_VL_RECIPE["micro_batch_tokens"]
 
 
 def estimate(config: dict, gpu_gib: float, gpus_per_node: int, *, gpu_memory_utilization: float = 0.45,
@@ -199,7 +199,7 @@ def main():
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.45)
     parser.add_argument("--lora-rank", type=int, default=32)
     parser.add_argument("--tokens", type=int, default=None,
-                        help="tokens per micro-batch; default: the recipe's budget (config.MICRO_BATCH_TOKENS)")
+                        help="tokens per micro-batch; default: the qwen3-vl recipe's budget")
     args = parser.parse_args()
     configs = ({Path(args.config).parent.name: json.loads(Path(args.config).read_text())} if args.config
                else {"Qwen3-VL-8B": qwen3_vl_8b(), "Qwen3-VL-2B": QWEN3_VL_2B})

@@ -20,7 +20,7 @@ averaging) asks whether the mean policy is better than any one of them.
 A LoRA delta is scale * B @ A. The mean of k deltas, (scale / k) * sum_i B_i @ A_i, is itself a
 LoRA of rank k * r: A = the A_i stacked (rows), B = the B_i side by side (columns), divided by k.
 So the average is exact (not the mean of the A's times the mean of the B's). vLLM takes only some
-ranks (rollout.VLLM_LORA_RANKS), so the rank is padded with zero rows and columns up to the next
+ranks (vllm_engine.VLLM_LORA_RANKS), so the rank is padded with zero rows and columns up to the next
 one, and lora_alpha is set so that PEFT's scale (alpha / r, or alpha / sqrt(r) with rsLoRA) stays
 the adapters' own.
 """
@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import checkpoint  # noqa: E402
-import rollout  # noqa: E402
+import vllm_engine  # noqa: E402
 from experiments.eval_policy import adapter_config  # noqa: E402
 
 WEIGHTS = "adapter_model.safetensors"
@@ -58,7 +58,7 @@ def average(adapters: list[Path], out: Path) -> int:
         raise SystemExit("adapters were trained on different bases (their base_model.json differ)")
     r, alpha, rslora, _ = shape[0]
     k = len(adapters)
-    rank = next((n for n in rollout.VLLM_LORA_RANKS if n >= k * r), None)
+    rank = next((n for n in vllm_engine.VLLM_LORA_RANKS if n >= k * r), None)
     if rank is None:
         raise SystemExit(f"{k} adapters of rank {r} make rank {k * r}: more than vLLM takes")
     weights = [load_file(str(a / WEIGHTS)) for a in adapters]

@@ -23,6 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import rollout  # noqa: E402
+import vllm_engine  # noqa: E402
 
 import env  # noqa: E402
 import visgym  # noqa: E402
@@ -40,7 +41,7 @@ def load_policy(model: str, adapter: str, max_turns: int):
     """An in-process vLLM engine for `model`, the LoRARequest for `adapter` (None if empty) and the
     model's chat format. A path that is not a PEFT adapter is refused before anything loads."""
     rank = adapter_config(adapter)["r"] if adapter else 8
-    engine = rollout.build_engine(model, max_model_len=4096, max_lora_rank=rank, seed=0, max_images=max_turns + 1)
+    engine = vllm_engine.build_engine(model, max_model_len=4096, max_lora_rank=rank, seed=0, max_images=max_turns + 1)
     lora_request = None
     if adapter:
         from vllm.lora.request import LoRARequest

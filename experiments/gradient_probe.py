@@ -51,6 +51,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import rollout  # noqa: E402
+import vllm_engine  # noqa: E402
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -167,7 +168,7 @@ def lora_policy(model_path: str, adapter: str = "", rank: int = 8, seed: int = 0
         model = PeftModel.from_pretrained(model, adapter, is_trainable=True)
     else:
         torch.manual_seed(seed)  # PEFT draws A at random, as train.py does with --seed
-        model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=rollout.LORA_TARGET_REGEX))
+        model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=vllm_engine.LORA_TARGET_REGEX))
     return model.eval()
 
 

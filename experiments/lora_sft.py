@@ -23,11 +23,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import rollout  # noqa: E402
+import vllm_engine  # noqa: E402
 
 TARGETS = {
-    "main": rollout.LORA_TARGET_REGEX,
-    "wide": rollout.LORA_TARGET_REGEX + r"|lm_head|.*visual\.(merger|deepstack_merger_list\.\d+)\.linear_fc[12]",
+    "main": vllm_engine.LORA_TARGET_REGEX,
+    "wide": vllm_engine.LORA_TARGET_REGEX + r"|lm_head|.*visual\.(merger|deepstack_merger_list\.\d+)\.linear_fc[12]",
 }
 
 

@@ -10,12 +10,12 @@ everything short of that, through the project's own code wherever it can:
   project imports  every top-level module imports against this stack
   serve.py         its vLLM entry points resolve (serve.vllm_server_api), and vLLM's own parser and
                    validator accept the command line serve.vllm_argv builds on a GPU
-  engine           rollout.engine_arguments(on_gpu=True) are all EngineArgs fields, and vLLM builds a
+  engine           vllm_engine.engine_arguments(on_gpu=True) are all EngineArgs fields, and vLLM builds a
                    full engine config from them on the tiny model
   sampling, LoRA   SamplingParams as rollout.py makes them; LoRARequest, the resolver API
   process group    distributed.backend(True) routes cpu -> gloo and cuda -> nccl
   trainer          policy.build_policy (FSDP2 on a 2-D mesh), Batch with precomputed image
-                   features, policy.grpo_update with TIS, the LoRA gather and a checkpoint round trip,
+                   features, update.grpo_update with TIS, the LoRA gather and a checkpoint round trip,
                    on the CPU with torch 2.14 and transformers 5.19 (the CPU branch of that code)
 
 vLLM cannot start a CPU engine in this build, and it asks its platform for a device type before it
@@ -112,9 +112,9 @@ def serve_command_line(tiny: str):
 def engine_config(tiny: str):
     from vllm.engine.arg_utils import EngineArgs
 
-    import rollout
+    import vllm_engine
 
-    kwargs = rollout.engine_arguments(tiny, max_model_len=4096, max_lora_rank=8, seed=0, max_images=16,
+    kwargs = vllm_engine.engine_arguments(tiny, max_model_len=4096, max_lora_rank=8, seed=0, max_images=16,
                                       max_image_px=224, external_launcher=True, on_gpu=True,
                                       logprobs_mode="processed_logprobs")
     config = EngineArgs(**kwargs).create_engine_config()
@@ -156,6 +156,7 @@ def trainer_step(tiny: str):
     import env
     import grpo
     import policy
+    import update
     import rollout
     import sft
     import train
@@ -173,10 +174,10 @@ def trainer_step(tiny: str):
             s.rollout_logprobs = [0.0] + [float(x) if m else 0.0 for x, m in zip(lp, s.response_mask[1:])]
     experiences = [grpo.Experience(s, a * torch.tensor(s.response_mask[1:], dtype=torch.float32), i)
                    for i, (s, a) in enumerate(zip(sequences, [1.0, -1.0, 0.5, 0.0]))]
-    optimizer = policy.make_optimizer(model, 1e-2)
-    scheduler = policy.make_scheduler(optimizer, cfg)
+    optimizer = update.make_optimizer(model, 1e-2)
+    scheduler = update.make_scheduler(optimizer, cfg)
     batch = policy.Batch(sequences, chat.processor, model)
-    stats = policy.grpo_update(cfg, model, optimizer, scheduler, batch, experiences, 4, torch.device("cpu"))
+    stats = update.grpo_update(cfg, model, optimizer, scheduler, batch, experiences, 4, torch.device("cpu"))
     state = policy.gather_lora_state(model)
     moved = sum(v.abs().sum().item() for k, v in state.items() if "lora_B" in k)
     assert moved > 0, "the update left LoRA B at zero"
@@ -206,7 +207,7 @@ def main():
     check("sampling parameters and LoRA requests", sampling_and_lora)
     check("[platform stub] tell vLLM it is on CUDA", stub_platform)
     check("[platform stub] serve.py's GPU command line: parsed and validated by vLLM", lambda: serve_command_line(tiny))
-    check("[platform stub] rollout.engine_arguments(on_gpu=True) -> vLLM engine config", lambda: engine_config(tiny))
+    check("[platform stub] vllm_engine.engine_arguments(on_gpu=True) -> vLLM engine config", lambda: engine_config(tiny))
     check("trainer: FSDP2 policy, update with TIS, LoRA gather, checkpoint round trip (CPU)",
           lambda: trainer_step(tiny))
     report = {"date": datetime.datetime.now().isoformat(timespec="minutes"), "python": platform.python_version(),

@@ -25,7 +25,7 @@ the images are real maze renders. What runs is the project's own code, in train.
                     would not fit the time)
   forward           policy.Batch with precomputed image features vs the plain pixel path: the same
                     log-probs (to bf16 precision)
-  update            policy.grpo_update on multi-turn sequences with images: real gradients, TIS
+  update            update.grpo_update on multi-turn sequences with images: real gradients, TIS
                     weights from made-up rollout log-probs, the LoRA moves
   adapter           policy.gather_lora_state + checkpoint.write_adapter (a PEFT directory)
   checkpoint        checkpoint.save / publish / find / verify / load, and the LoRA and Adam state
@@ -312,6 +312,7 @@ def shape_checks(shape: str, device, text: dict, vision: dict, cell_px: int, dif
     import env
     import grpo
     import policy
+    import update
 
     figures = {}
     processor = SimpleNamespace(image_processor=Qwen2VLImageProcessor(patch_size=16, merge_size=2,
@@ -363,7 +364,7 @@ def shape_checks(shape: str, device, text: dict, vision: dict, cell_px: int, dif
         figures["precomputed_vs_pixels_max_diff"] = diff
         return f"max |difference| {diff:.2e} on {int(mask.sum())} reply tokens, {inputs['input_ids'].shape[1]} positions"
 
-    def update():
+    def train_update():
         model = state["model"]
         sequences = maze_sequences(n_sequences, text["vocab_size"], cell_px, difficulty, turns, processor)
         # the engine's log-probs, as if it had sampled these replies: the trainer's own plus a
@@ -381,13 +382,13 @@ def shape_checks(shape: str, device, text: dict, vision: dict, cell_px: int, dif
         experiences = [grpo.Experience(s, a * torch.tensor(s.response_mask[1:], dtype=torch.float32), i)
                        for i, (s, a) in enumerate(zip(sequences, advantages))]
         optimizer = torch.optim.AdamW([p for _, p in policy.lora_parameters(model)], lr=cfg.lr)
-        scheduler = policy.make_scheduler(optimizer, cfg)
+        scheduler = update.make_scheduler(optimizer, cfg)
         before = policy.gather_lora_state(model)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
             torch.cuda.synchronize(device)
         t = time.time()
-        stats = policy.grpo_update(cfg, model, optimizer, scheduler, policy.Batch(sequences, processor, model),
+        stats = update.grpo_update(cfg, model, optimizer, scheduler, policy.Batch(sequences, processor, model),
                                   experiences, n_sequences, device)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -443,7 +444,7 @@ def shape_checks(shape: str, device, text: dict, vision: dict, cell_px: int, dif
         ok = check(f"{shape}: policy (LoRA + bf16 FSDP2 on the 2-D mesh, gradient checkpointing)", build)
     if ok:
         check(f"{shape}: precomputed image features = pixel path", forward_paths)
-        if check(f"{shape}: policy.grpo_update with TIS on multi-turn image sequences", update):
+        if check(f"{shape}: update.grpo_update with TIS on multi-turn image sequences", train_update):
             check(f"{shape}: adapter export, checkpoint save/verify/load round trip", adapter_and_checkpoint)
     state.clear()
     if device.type == "cuda":

@@ -9,9 +9,8 @@
 #
 # Extra arguments go to train.py (they override its defaults, which are the recipe). OUT holds everything; the
 # SFT model is reused if it is already there, and train.py resumes from its latest checkpoint, so
-# a killed job continues where it stopped. SFT_STEPS sets the warm start's length: 250 steps stop
-# it in the 30-60% band of held-out solve rate, so that GRPO has room to show what it adds (3,000
-# steps of SFT alone reach ~92%, docs/experiments.md). SFT_NOISE is the share of its
+# a killed job continues where it stopped. SFT_STEPS sets the warm start's length (sft.py's default,
+# 250, stops it in the 30-60% band of held-out solve rate). SFT_NOISE is the share of its
 # demonstrations' turns that start a detour (0: clean shortest paths).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -24,7 +23,7 @@ seed="${SEED:-0}"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(nproc)}"
 if [ ! -f "$out/sft/model/config.json" ]; then
   .venv/bin/python sft.py --out "$out/sft" --difficulty "$difficulty" --seed "$seed" \
-    --steps "${SFT_STEPS:-250}" --noise "${SFT_NOISE:-0}"
+    ${SFT_STEPS:+--steps "$SFT_STEPS"} --noise "${SFT_NOISE:-0}"
 fi
 # the GRPO recipe is train.py's defaults (config.py); only paths, the seed and the maze size here
 .venv/bin/python train.py --model "$out/sft/model" --out-dir "$out/grpo" --difficulty "$difficulty" --seed "$seed" "$@"

@@ -15,7 +15,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import rollout  # noqa: E402
+import vllm_engine  # noqa: E402
 
 
 # The slowest files first: pytest-xdist (launch/test.sh, --no-loadscope-reorder) gives each of
@@ -105,7 +105,7 @@ def short_run(tmp_path_factory, warm_start) -> Path:
 def engine(warm_start):
     """One vLLM engine for the whole session, on the warm start (start-up and warm-up cost ~20 s
     on 2 cores). One only: an engine torn down in a process takes vLLM's global state with it."""
-    return rollout.build_engine(str(warm_start), max_model_len=4096, max_lora_rank=8, seed=0)
+    return vllm_engine.build_engine(str(warm_start), max_model_len=4096, max_lora_rank=8, seed=0)
 
 
 def masked_segments(seq) -> list[list[int]]:

@@ -14,6 +14,7 @@ import branch
 import env
 import grpo
 import policy
+import update
 import rollout
 import train
 import visgym
@@ -156,7 +157,7 @@ def test_forced_tokens_are_left_out_of_tis_and_the_mismatch():
     assert torch.allclose(grad, logits.grad, atol=1e-6)
     mismatch = grpo.logprob_mismatch(lp.detach(), rollout_lp, mask)
     assert mismatch["mismatch_abs_mean"] == pytest.approx(0.3) and mismatch["mismatch_abs_max"] == pytest.approx(0.3)
-    meter = policy.MismatchMeter()
+    meter = update.MismatchMeter()
     meter.add(lp.detach(), rollout_lp, mask)
     assert meter.sums[2] == 2  # only the two sampled tokens count
 
@@ -243,7 +244,7 @@ FORK_MAZE, FORK_TURN, TEMPERATURE = 12, 2, 0.5
 
 def _fork_updates(model_dir: str, sequences: dict, grpo_rows: list, branch_rows: list, results):
     """From one fresh LoRA (B = 0), three single updates with AdamW at the main job's lr: one SFT
-    step on the fork's demonstration, policy.grpo_update on the 8 sampled episodes, and the same with
+    step on the fork's demonstration, update.grpo_update on the 8 sampled episodes, and the same with
     the branch target added. p_T(right) at the fork before and after each."""
     import distributed
 
@@ -267,8 +268,8 @@ def _fork_updates(model_dir: str, sequences: dict, grpo_rows: list, branch_rows:
         with torch.no_grad():
             for n, p in policy.lora_parameters(model):
                 p.copy_(start[n])
-        optimizer = policy.make_optimizer(model, cfg.lr)
-        return optimizer, policy.make_scheduler(optimizer, cfg)
+        optimizer = update.make_optimizer(model, cfg.lr)
+        return optimizer, update.make_scheduler(optimizer, cfg)
 
     out = {"before": p_right()}
     optimizer, _ = fresh()  # SFT: sft.py's loss, the reply tokens' mean cross-entropy at T = 1
@@ -280,7 +281,7 @@ def _fork_updates(model_dir: str, sequences: dict, grpo_rows: list, branch_rows:
     for name, rows in (("grpo", grpo_rows), ("grpo_and_branch", grpo_rows + branch_rows), ("branch", branch_rows)):
         optimizer, scheduler = fresh()
         xs = [grpo.Experience(seq, adv, ep) for seq, adv, ep in rows]
-        stats = policy.grpo_update(cfg, model, optimizer, scheduler, policy.Batch([x.sequence for x in xs],
+        stats = update.grpo_update(cfg, model, optimizer, scheduler, policy.Batch([x.sequence for x in xs],
                                   chat.processor, model), xs, 8, torch.device("cpu"))
         out[name] = p_right()
         out[name + "_mismatch"] = stats["mismatch_abs_mean"]

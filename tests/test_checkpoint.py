@@ -146,13 +146,15 @@ def test_a_full_disk_during_a_checkpoint_leaves_the_previous_one_newest(tmp_path
 
 
 def test_resume_with_meaningful_changes_is_refused_harmless_ones_are_taken():
-    saved = train.Config(lr=1e-3, group_size=8, difficulty="small", steps=100, eval_interval=10).__dict__
-    same = train.Config(lr=1e-3, group_size=8, difficulty="small", steps=400, eval_interval=20, progress=False)
-    assert checkpoint.config_changes(saved, same.__dict__) == []  # longer run, other intervals: fine
+    saved = train.Config(lr=1e-3, group_size=8, difficulty="small", steps=100, eval_interval=10,
+                         lr_schedule="constant").__dict__
+    same = train.Config(lr=1e-3, group_size=8, difficulty="small", steps=400, eval_interval=20, progress=False,
+                        lr_schedule="constant")
+    assert checkpoint.config_changes(saved, same.__dict__) == []  # longer run at a constant rate, other intervals
     decaying = train.Config(lr_schedule="cosine", steps=100).__dict__  # steps is its horizon: guarded
     assert checkpoint.config_changes(decaying, train.Config(lr_schedule="cosine", steps=400).__dict__) == \
         ["steps: 100 -> 400"]
-    other = train.Config(lr=5e-4, group_size=4, difficulty="easy", steps=100).__dict__
+    other = train.Config(lr=5e-4, group_size=4, difficulty="easy", steps=100, lr_schedule="constant").__dict__
     assert checkpoint.config_changes(saved, other) == ["difficulty: 'small' -> 'easy'", "group_size: 8 -> 4",
                                                        "lr: 0.001 -> 0.0005"]
 
@@ -305,8 +307,8 @@ def test_the_same_command_again_continues_its_run_before_its_first_checkpoint(tm
     (out / "config.json").write_text(json.dumps(dataclasses.asdict(cfg)))  # what RunLog writes first
     (out / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')  # then SIGKILL, no checkpoint
     said = []
-    assert rundir._open_run(out, train.Config(out_dir=str(out), steps=999), base, log=said.append) == \
-        ("", {**run, "base": base})  # steps is not meaningful: still this run
+    assert rundir._open_run(out, train.Config(out_dir=str(out), eval_interval=999), base, log=said.append) == \
+        ("", {**run, "base": base})  # an interval is not meaningful: still this run
     assert said == [f"{out} holds this run (the same settings and base) with no checkpoint yet: starting it over "
                     "in place"]
     for other, other_base, difference in ((train.Config(out_dir=str(out), lr=5e-4), base, "lr: 0.001 -> 0.0005"),

@@ -42,9 +42,11 @@ def test_flags_with_dashes_or_underscores_and_booleans():
 
 def test_the_defaults_are_the_main_jobs_recipe():
     """launch/run.sh passes only paths, the seed and the maze size: what it ran with its 18 flags
-    before is now the Config's own defaults (the tiny model's LoRA rank, reply length and branch
-    points from resolve_model_defaults); since 2026-12-03 with branch rollouts, in 150 steps."""
-    recipe = config.parse_config(["--steps", "150", "--branch-weight", "8", "--group-size", "8",
+    before is the Config's own defaults, every one the value the run uses (the tiny recipe); since
+    2026-12-03 with branch rollouts, in 150 steps."""
+    recipe = config.parse_config(["--steps", "150", "--branch-weight", "8", "--prompts-per-step", "4",
+                                  "--group-size", "8", "--lora-rank", "32", "--max-new-tokens", "8",
+                                  "--branch-points-per-group", "2", "--micro-batch-tokens", "0",
                                   "--temperature", "0.5", "--lr", "1e-3", "--warmup-steps", "10",
                                   "--step-adv-weight", "1", "--micro-batch-size", "16", "--eval-interval", "25",
                                   "--sampled-eval-samples", "8", "--ckpt-interval", "50", "--export-interval", "50"])
@@ -72,7 +74,26 @@ def test_model_dependent_defaults(tiny_model, tmp_path):
     assert (cfg.prompts_per_step, cfg.micro_batch_tokens) == (48, 16384)
     cfg = config.Config(branch_points_per_group=0)
     cfg.resolve_model_defaults(str(tiny_model))
-    assert cfg.branch_points_per_group == 0  # off when asked, on the tiny model too
+    assert cfg.branch_points_per_group == 0 and cfg.recipe == "tiny"  # off when asked, on the tiny model too
+    # a flag given on the command line wins over the recipe, even at the tiny default's value
+    cfg = config.parse_config(["--branch-points-per-group", "2", "--model", str(real)])
+    cfg.resolve_model_defaults(str(real))
+    assert (cfg.recipe, cfg.branch_points_per_group, cfg.prompts_per_step) == ("qwen3-vl", 2, 48)
+    cfg = config.parse_config(["--recipe", "qwen3-vl"])  # asked for by name, on the tiny model
+    cfg.resolve_model_defaults(str(tiny_model))
+    assert (cfg.max_new_tokens, cfg.prompts_per_step) == (32, 48)
+
+
+def test_help_shows_the_values_a_run_uses(capsys):
+    """No placeholder defaults: --help shows the tiny recipe's values in the fields and the qwen3-vl
+    recipe's beside --recipe."""
+    with pytest.raises(SystemExit):
+        config.parse_config(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "prompts_per_step 48" in text and "micro_batch_tokens 16384" in text and "branch_points_per_group 0" in text
+    for f in dataclasses.fields(config.Config):  # 0 or -1 stands for a value only where its help says what
+        if f.default in (0, -1) and f.type in (int, "int") and f.name != "seed":
+            assert f"{f.default}:" in f.metadata["help"], f.name
 
 
 def test_a_bad_value_is_one_bad_config_line():
@@ -166,9 +187,9 @@ def test_every_documented_launch_command_starts_at_its_world_size():
     assert len(launches) >= 5 and {16, 8} <= {world for _, _, world in launches}
     for where, args, world in launches:
         cfg = config.parse_config(args)
-        cfg.resolve_defaults_for("real" if cfg.model.startswith("Qwen/") else "tiny")
+        cfg.apply_recipe("qwen3-vl" if cfg.model.startswith("Qwen/") else "tiny")
         cfg.validate(world)  # SystemExit("bad config: ...") fails the test, naming the command
     for world in (1, 2, 4, 6, 8, 12, 16, 24, 48):
         cfg = config.Config(model="Qwen/Qwen3-VL-8B-Instruct", difficulty="easy")
-        cfg.resolve_defaults_for("real")
+        cfg.apply_recipe("qwen3-vl")
         cfg.validate(world)

@@ -34,6 +34,7 @@ def _record_collectives(model_dir: str, results):
     """A world of one running the trainer's own code paths with every collective recorded."""
     import grpo
     import policy
+    import update
     import rollout
     import sft
     import train
@@ -57,8 +58,8 @@ def _record_collectives(model_dir: str, results):
     seqs = sft.demonstrations(chat, 3, max_turns=4)
     experiences = [grpo.Experience(s, torch.tensor(s.response_mask[1:], dtype=torch.float32) * (1 - i), i)
                    for i, s in enumerate(seqs)]
-    optimizer = policy.make_optimizer(model, 1e-3)
-    policy.grpo_update(cfg, model, optimizer, policy.make_scheduler(optimizer, cfg),
+    optimizer = update.make_optimizer(model, 1e-3)
+    update.grpo_update(cfg, model, optimizer, update.make_scheduler(optimizer, cfg),
                       policy.Batch(seqs, chat.processor, model), experiences, 3, torch.device("cpu"))
     distributed.mean_over_ranks({"a": 1.0})
     distributed.broadcast_object("x")

@@ -1,5 +1,6 @@
 """Imports run one way: the top-level modules never import from launch/ or experiments/, and the
-core (env -> rollout -> grpo -> policy -> checkpoint/rundir -> train) never imports what comes after it;
+core (env -> vllm_engine -> rollout -> grpo -> policy -> update -> checkpoint/rundir -> train) never imports
+what comes after it;
 config.py (the recipe) imports nothing of the trainer's, and serve.py nothing of train.py's."""
 
 import ast
@@ -11,17 +12,20 @@ ALLOWED = {
     "env": set(),
     "grpo": set(),
     "distributed": set(),
-    "tiny_model": {"env", "rollout"},
+    "vllm_engine": set(),
+    "tiny_model": {"env", "vllm_engine"},
     "visgym": {"env"},
-    "rollout": {"env", "visgym"},
-    "config": {"env", "rollout"},
+    "rollout": {"env", "visgym", "vllm_engine"},
+    "config": {"env", "vllm_engine"},
     "checkpoint": {"config", "distributed"},
     "rundir": {"checkpoint", "distributed"},
-    "policy": {"checkpoint", "distributed", "grpo", "rollout", "tiny_model"},
+    "policy": {"checkpoint", "distributed", "grpo", "rollout", "tiny_model", "vllm_engine"},
+    "update": {"distributed", "grpo", "policy"},
     "branch": {"env", "grpo", "rollout", "sft", "visgym"},
-    "train": {"branch", "checkpoint", "config", "distributed", "env", "grpo", "policy", "rollout", "rundir", "visgym"},
-    "sft": {"env", "grpo", "policy", "rollout", "rundir", "visgym"},
-    "serve": {"checkpoint", "config", "env", "policy", "rollout", "visgym"},
+    "train": {"branch", "checkpoint", "config", "distributed", "env", "grpo", "policy", "rollout", "rundir", "update",
+              "visgym", "vllm_engine"},
+    "sft": {"env", "grpo", "policy", "rollout", "rundir", "visgym", "vllm_engine"},
+    "serve": {"checkpoint", "config", "env", "policy", "rollout", "visgym", "vllm_engine"},
 }
 
 
@@ -45,7 +49,7 @@ def test_imports_run_one_way():
 
 
 def test_vllm_is_imported_only_inside_functions():
-    """rollout.py sets vLLM's environment in its module body; vllm itself is imported only inside
+    """vllm_engine.py sets vLLM's environment in its module body; vllm itself is imported only inside
     functions, so it always comes after that, whatever order modules are imported in."""
     for path in [*ROOT.glob("*.py"), *ROOT.glob("experiments/*.py"), *ROOT.glob("launch/*.py"),
                  *ROOT.glob("bench/*.py"), *ROOT.glob("tests/*.py")]:

@@ -12,6 +12,7 @@ import torch
 
 import env
 import policy
+import update
 import train
 import visgym
 
@@ -106,13 +107,14 @@ def _sync_check(shared: str, model_dir: str, results):
     import distributed
     import grpo
     import rollout
+    import vllm_engine
 
     distributed.init_distributed()
     cfg = train.Config(lora_rank=8, lora_alpha=16)
     model = policy.build_policy(cfg, model_dir)
     base = checkpoint.base_model_record(model_dir)
-    engine = rollout.build_engine(model_dir, max_model_len=4096, max_lora_rank=8, seed=0, external_launcher=True,
-                                  logprobs_mode=rollout.logprobs_mode(TEMPERATURE))
+    engine = vllm_engine.build_engine(model_dir, max_model_len=4096, max_lora_rank=8, seed=0, external_launcher=True,
+                                  logprobs_mode=vllm_engine.logprobs_mode(TEMPERATURE))
     chat = rollout.ChatFormat.for_model(model_dir)
     mazes = [env.generate_maze(7, seed=s) for s in (5, 6)]
 
@@ -132,7 +134,7 @@ def _sync_check(shared: str, model_dir: str, results):
     out = {}
     def sync(step):  # what train.sync does: the LoRA to shared storage, then into the engine
         path, _, nbytes = policy.publish_adapter(model, Path(shared), step, 5, base)
-        return rollout.load_adapter(engine, path, step), nbytes
+        return vllm_engine.load_adapter(engine, path, step), nbytes
 
     request0, _ = sync(0)
     episodes = play(request0, 0)
@@ -222,10 +224,10 @@ def _update_check(model_dir: str, results):
                 for i, (s, a) in enumerate(zip(sequences, advantages))]
 
     rec = GradientRecorder([p for _, p in policy.lora_parameters(model)])
-    stats = policy.grpo_update(cfg, model, rec, rec, batch, experiences(), 4, torch.device("cpu"))
+    stats = update.grpo_update(cfg, model, rec, rec, batch, experiences(), 4, torch.device("cpu"))
     two_pass = experiences()
-    policy.fill_old_logprobs(model, batch, two_pass, cfg, torch.device("cpu"), with_ref=False)
-    policy.grpo_update(cfg, model, rec, rec, batch, two_pass, 4, torch.device("cpu"))
+    update.fill_old_logprobs(model, batch, two_pass, cfg, torch.device("cpu"), with_ref=False)
+    update.grpo_update(cfg, model, rec, rec, batch, two_pass, 4, torch.device("cpu"))
     rec.zero_grad()  # by hand: every sequence, normalised by all response tokens
     inputs, mask, _ = batch.micro([0, 1, 2, 3], torch.device("cpu"))
     lp = policy.sequence_logprobs(model, inputs)
@@ -316,8 +318,8 @@ def _clip_check(model_dir: str, settings: list, results):
         batch = policy.Batch(sequences, chat.processor, model)
         experiences = [grpo.Experience(s, a * torch.tensor(s.response_mask[1:], dtype=torch.float32), i)
                        for i, (s, a) in enumerate(zip(sequences, [1.0, -1.0, 1.0, -1.0]))]
-        optimizer = policy.make_optimizer(model, cfg.lr)  # grpo_update computes pi_old first (not single-pass)
-        out[num_mini_batches, ppo_epochs] = policy.grpo_update(cfg, model, optimizer, policy.make_scheduler(optimizer, cfg),
+        optimizer = update.make_optimizer(model, cfg.lr)  # grpo_update computes pi_old first (not single-pass)
+        out[num_mini_batches, ppo_epochs] = update.grpo_update(cfg, model, optimizer, update.make_scheduler(optimizer, cfg),
                                                                batch, experiences, 4, torch.device("cpu"))
     results.put(out)
 
@@ -352,7 +354,7 @@ def test_the_stale_policy_bound_is_the_stacks_measured_noise():
                 return k + 1
         return None
 
-    guard = policy.StalePolicyGuard(steps=3, on_gpu=True)
+    guard = update.StalePolicyGuard(steps=3, on_gpu=True)
     assert guard.calibrating
     guard.check(1, 4e-3, tokens=900)
     assert not guard.calibrating and guard.bound == pytest.approx(2e-2)
@@ -360,18 +362,18 @@ def test_the_stale_policy_bound_is_the_stacks_measured_noise():
     assert steps_until_stopped(guard, in_sync) is None  # bf16 noise never stops a run
     stale = [4e-3 + 5e-3 * k for k in range(1, 30)]
     assert steps_until_stopped(guard, stale) <= 6
-    assert steps_until_stopped(policy.StalePolicyGuard(0.1, 3, on_gpu=True, start_step=5), stale) >= 20
+    assert steps_until_stopped(update.StalePolicyGuard(0.1, 3, on_gpu=True, start_step=5), stale) >= 20
 
-    guard = policy.StalePolicyGuard(steps=3, on_gpu=True, start_step=0)
+    guard = update.StalePolicyGuard(steps=3, on_gpu=True, start_step=0)
     guard.check(1, 4e-3, tokens=0)  # nothing measured: not a calibration either
     assert guard.calibrating
     guard.check(2, 4e-3, tokens=700)
     assert steps_until_stopped(guard, [0.5, 0.5, 0.0, 0.5], tokens=[500, 500, 0, 500]) == 4
-    resumed = policy.StalePolicyGuard(steps=3, on_gpu=True, start_step=40, saved_bound=guard.bound)
+    resumed = update.StalePolicyGuard(steps=3, on_gpu=True, start_step=40, saved_bound=guard.bound)
     assert resumed.bound == guard.bound and not resumed.calibrating
-    assert policy.StalePolicyGuard(on_gpu=True, start_step=40).bound == 0.1  # an older checkpoint
-    assert policy.StalePolicyGuard(0.05, on_gpu=True).bound == 0.05  # given: fixed
-    assert policy.StalePolicyGuard(steps=3).calibrating and policy.StalePolicyGuard.FLOOR["cpu"] == 1e-3
+    assert update.StalePolicyGuard(on_gpu=True, start_step=40).bound == 0.1  # an older checkpoint
+    assert update.StalePolicyGuard(0.05, on_gpu=True).bound == 0.05  # given: fixed
+    assert update.StalePolicyGuard(steps=3).calibrating and update.StalePolicyGuard.FLOOR["cpu"] == 1e-3
 
 
 def test_ranks_wait_for_a_download_on_gloo_with_a_long_timeout(monkeypatch, tiny_model):
@@ -397,11 +399,11 @@ def test_micro_batches_hold_at_most_the_token_budget(monkeypatch):
 
     monkeypatch.setattr(distributed, "max_over_ranks", lambda x: x)  # a world of one
     lengths = {i: n for i, n in enumerate([900, 4000, 1200, 300, 2500, 2500, 700, 9000, 100, 1500])}
-    batches = policy.synced_micro_batches(list(lengths), 16, lengths.get, max_tokens=5000)
+    batches = update.synced_micro_batches(list(lengths), 16, lengths.get, max_tokens=5000)
     assert sorted(i for b in batches for i in b) == list(lengths)
     for b in batches:
         assert [lengths[i] for i in b] == sorted((lengths[i] for i in b), reverse=True)
         assert len(b) * lengths[b[0]] <= 5000 or len(b) == 1
     assert [len(b) for b in batches] == [1, 1, 2, 3, 3]  # 9000 alone; 4000; 2500 x 2; 1500,1200,900; 700,300,100
-    assert [len(b) for b in policy.synced_micro_batches(list(lengths), 4, lengths.get)] == [4, 4, 2]  # no budget
-    assert [len(b) for b in policy.synced_micro_batches(list(lengths), 4, lengths.get, max_tokens=-1)] == [4, 4, 2]
+    assert [len(b) for b in update.synced_micro_batches(list(lengths), 4, lengths.get)] == [4, 4, 2]  # no budget
+    assert [len(b) for b in update.synced_micro_batches(list(lengths), 4, lengths.get, max_tokens=-1)] == [4, 4, 2]

@@ -10,8 +10,10 @@ from transformers import AutoProcessor, GenerationConfig, Qwen3VLForConditionalG
 import env
 import grpo
 import rollout
+import vllm_engine
 import visgym
 import policy
+import update
 from conftest import masked_segments
 
 
@@ -244,7 +246,7 @@ def test_a_warning_is_said_once_per_line_of_code():
     log = logging.getLogger("test.once")
     log.setLevel(logging.INFO)
     log.propagate = False
-    log.addFilter(rollout.OncePerCallSite())
+    log.addFilter(vllm_engine.OncePerCallSite())
     records = []
     handler = logging.Handler()
     handler.emit = records.append
@@ -301,17 +303,17 @@ def test_each_engine_sleep_mode_makes_the_vllm_calls_it_documents():
                 "none": []}
     for mode, calls in expected.items():
         engine = RecordingEngine()
-        sleeper = rollout.EngineSleep(mode, on_gpu=True)
+        sleeper = vllm_engine.EngineSleep(mode, on_gpu=True)
         sleeper.sleep(engine), sleeper.wake(engine)
         assert engine.calls == calls, mode
     engine = RecordingEngine()  # on a CPU vLLM has no sleep mode: whatever was asked, nothing is called
-    sleeper = rollout.EngineSleep("offload", on_gpu=False)
+    sleeper = vllm_engine.EngineSleep("offload", on_gpu=False)
     sleeper.sleep(engine), sleeper.wake(engine)
     assert engine.calls == []
     # auto: offload first; then kv where the weights fit in what stayed free during the update
     for free, choice in ((60 * gib, "kv"), (25 * gib, "offload")):
         engine, said = RecordingEngine(), []
-        sleeper = rollout.EngineSleep("auto", on_gpu=True, weights_bytes=16 * gib, log=said.append,
+        sleeper = vllm_engine.EngineSleep("auto", on_gpu=True, weights_bytes=16 * gib, log=said.append,
                                       memory=FakeMemory(free=free, extra=30 * gib))
         for _ in range(2):
             sleeper.sleep(engine), sleeper.wake(engine)
@@ -322,7 +324,7 @@ def test_each_engine_sleep_mode_makes_the_vllm_calls_it_documents():
     # batch) sends it back to offload for good, in one line
     memory = FakeMemory(free=60 * gib, extra=30 * gib)
     engine, said = RecordingEngine(), []
-    sleeper = rollout.EngineSleep("auto", on_gpu=True, weights_bytes=16 * gib, log=said.append, memory=memory)
+    sleeper = vllm_engine.EngineSleep("auto", on_gpu=True, weights_bytes=16 * gib, log=said.append, memory=memory)
     sleeper.sleep(engine), sleeper.wake(engine)  # offload: 30 GiB stayed free, the weights fit: kv
     memory.free_bytes, memory.extra = 44 * gib, 30 * gib  # kv, weights resident: 14 GiB stay free
     sleeper.sleep(engine), sleeper.wake(engine)
@@ -336,18 +338,18 @@ def test_each_engine_sleep_mode_makes_the_vllm_calls_it_documents():
     assert engine.calls == ["sleep(1)", "wake_up", "sleep(0)", "release_kv_cache_memory", "wake_up",
                             "sleep(0)", "release_kv_cache_memory", "wake_up", "sleep(1)", "wake_up"]
     # the arithmetic: 100 GiB GPU, reserve 5 GiB; 30 GiB left free, weights 25 GiB fit, 26 not
-    assert rollout.choose_engine_sleep(30 * gib, 25 * gib, 100 * gib)[0] == "kv"
-    assert rollout.choose_engine_sleep(30 * gib, 26 * gib, 100 * gib)[0] == "offload"
+    assert vllm_engine.choose_engine_sleep(30 * gib, 25 * gib, 100 * gib)[0] == "kv"
+    assert vllm_engine.choose_engine_sleep(30 * gib, 26 * gib, 100 * gib)[0] == "offload"
     with pytest.raises(ValueError, match="engine sleep mode"):
-        rollout.EngineSleep("level2", on_gpu=True)
+        vllm_engine.EngineSleep("level2", on_gpu=True)
     import train
 
     with pytest.raises(SystemExit, match="engine_sleep must be one of.*; mismatch_bound and mismatch_steps"):
         train.Config(engine_sleep="level2", mismatch_steps=-1).validate(1)
     # none leaves vLLM's sleep-mode allocator out; the others ask for it
-    args = rollout.engine_arguments("m", max_model_len=64, max_lora_rank=8, seed=0, on_gpu=True, sleep_mode=False)
+    args = vllm_engine.engine_arguments("m", max_model_len=64, max_lora_rank=8, seed=0, on_gpu=True, sleep_mode=False)
     assert "enable_sleep_mode" not in args
-    assert rollout.engine_arguments("m", max_model_len=64, max_lora_rank=8, seed=0, on_gpu=True)["enable_sleep_mode"]
+    assert vllm_engine.engine_arguments("m", max_model_len=64, max_lora_rank=8, seed=0, on_gpu=True)["enable_sleep_mode"]
 
 
 def test_a_stale_adapter_stops_the_run_with_one_line(engine, warm_start):
@@ -367,11 +369,11 @@ def test_a_stale_adapter_stops_the_run_with_one_line(engine, warm_start):
             return grpo.logprob_mismatch(policy.sequence_logprobs(model, inputs), rollout_lp, mask)["mismatch_abs_mean"]
 
     in_sync = mismatch(base)
-    guard = policy.StalePolicyGuard(steps=3)
+    guard = update.StalePolicyGuard(steps=3)
     for step in range(1, 6):
         guard.check(step, in_sync)  # the stack's own noise: never stops
     torch.manual_seed(0)
-    trained = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules=rollout.LORA_TARGET_REGEX))
+    trained = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules=vllm_engine.LORA_TARGET_REGEX))
     with torch.no_grad():
         for name, p in trained.named_parameters():
             if "lora_B" in name:
@@ -384,7 +386,7 @@ def test_a_stale_adapter_stops_the_run_with_one_line(engine, warm_start):
     message = str(stop.value)
     assert "\n" not in message and "step 3" in message and "not sampling from the policy being trained" in message
     assert "adapter" in message and "--mismatch-bound" in message
-    guard = policy.StalePolicyGuard(steps=3)  # a single bad step between good ones does not stop it
+    guard = update.StalePolicyGuard(steps=3)  # a single bad step between good ones does not stop it
     for step, m in enumerate([stale, stale, in_sync, stale, stale, in_sync], 1):
         guard.check(step, m)
 
@@ -404,5 +406,5 @@ def test_the_engine_is_built_with_vllms_native_top_k_top_p_sampler(monkeypatch):
             monkeypatch.delenv("VLLM_USE_FLASHINFER_SAMPLER", raising=False)
         else:
             monkeypatch.setenv("VLLM_USE_FLASHINFER_SAMPLER", user)
-        args = rollout.build_engine("m", max_model_len=64, max_lora_rank=8, seed=0)
+        args = vllm_engine.build_engine("m", max_model_len=64, max_lora_rank=8, seed=0)
         assert args["model"] == "m" and seen[-1] == expected

@@ -57,13 +57,13 @@ def test_memory_pieces_and_the_sleep_mode_they_imply():
 
 
 def test_the_recipes_micro_batch_fits_every_gpu_in_the_table():
-    """The real-model recipe's token budget (config.MICRO_BATCH_TOKENS, what train.py packs
+    """The qwen3-vl recipe's token budget (config.QWEN3_VL_RECIPE, what train.py packs
     micro-batches by) is the table's default, and its update fits on 80 and 141 GB GPUs for
     Qwen3-VL-8B and 2B, one GPU or eight, because the logits are computed a chunk at a time: with
     fp32 logits held for every token (the old path) 16k tokens of 8B's vocabulary alone took ~18 GiB."""
     import config
 
-    assert sizing.recipe_tokens() == config.MICRO_BATCH_TOKENS["real"] == 16384
+    assert sizing.recipe_tokens() == config.QWEN3_VL_RECIPE["micro_batch_tokens"] == 16384
     for shape in (sizing.qwen3_vl_8b(), sizing.QWEN3_VL_2B):
         for gpu in (80, 141):
             for per_node in (1, 8):

@@ -7,7 +7,7 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoConfig, AutoProcessor, Qwen3VLForConditionalGeneration
 
 import env
-import rollout
+import vllm_engine
 
 
 def test_directory_is_an_ordinary_hf_model(tiny_model):
@@ -142,7 +142,7 @@ def test_peft_adapter_changes_vllm_output(engine, warm_start, tmp_path):
     from vllm.lora.request import LoRARequest
 
     model = Qwen3VLForConditionalGeneration.from_pretrained(warm_start, dtype=torch.float32)
-    lora = LoraConfig(r=8, lora_alpha=16, target_modules=rollout.LORA_TARGET_REGEX)
+    lora = LoraConfig(r=8, lora_alpha=16, target_modules=vllm_engine.LORA_TARGET_REGEX)
     model = get_peft_model(model, lora)
     torch.manual_seed(0)
     with torch.no_grad():  # PEFT starts B at zero (a no-op adapter); give it real weights

@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 import env
-import policy
+import update
 import train
 from conftest import SHORT_RUN
 
@@ -180,7 +180,7 @@ def test_the_lr_schedule_is_transformers_own():
 
     for schedule, name in (("constant", "constant_with_warmup"), ("cosine", "cosine")):
         lrs = []
-        for make in (policy.make_scheduler, lambda o, c: get_scheduler(name, o, num_warmup_steps=2,
+        for make in (update.make_scheduler, lambda o, c: get_scheduler(name, o, num_warmup_steps=2,
                                                                        num_training_steps=c.steps)):
             optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
             cfg = train.Config(lr_schedule=schedule, warmup_steps=2, steps=6)
@@ -195,7 +195,7 @@ def test_the_lr_schedule_is_transformers_own():
     assert lrs[0][:3] == [0.0, 0.5, 1.0] and lrs[0][-1] < 0.2  # warm-up from 0, then cosine towards 0
     # the recipe's: warm-up, constant, then the last 30% of the steps decay to 0 (warmup-stable-decay)
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
-    scheduler = policy.make_scheduler(optimizer, train.Config(warmup_steps=2, steps=20))
+    scheduler = update.make_scheduler(optimizer, train.Config(warmup_steps=2, steps=20))
     assert train.Config().lr_schedule == "wsd" and train.Config().decay_frac == 0.3
     seen = []
     for _ in range(20):

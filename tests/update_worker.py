@@ -5,7 +5,7 @@
 
 Eight episodes in four groups of two (demonstrations of four training mazes, with detours, and
 made-up rewards); with two ranks each rank holds one member of every group, rank 1 the longer one. The update runs
-through policy.grpo_update exactly as in training; the gradient it hands the optimizer is saved.
+through update.grpo_update exactly as in training; the gradient it hands the optimizer is saved.
 """
 
 import random
@@ -23,6 +23,7 @@ import distributed  # noqa: E402
 import env  # noqa: E402
 import grpo  # noqa: E402
 import policy  # noqa: E402
+import update  # noqa: E402
 import sft  # noqa: E402
 import train  # noqa: E402
 import visgym  # noqa: E402
@@ -100,7 +101,7 @@ def main(model_dir: str, out: str):
             return [0.0]
 
     rec = Recorder()
-    policy.grpo_update(cfg, model, rec, rec, batch, experiences, len(mine), torch.device("cpu"))
+    update.grpo_update(cfg, model, rec, rec, batch, experiences, len(mine), torch.device("cpu"))
     all_adv = distributed.all_gather_objects([(e.sample_id, float(a)) for e, a in zip(mine, advantages)])
     sequences = int(distributed.sum_over_ranks([len(experiences)])[0])
     if rank == 0:
