@@ -6,11 +6,13 @@
     <out>/metrics.jsonl   one line per step (RunLog), and <out>/tb/ the same for TensorBoard
     <out>/eval/step_<N>.json   greedy evaluations, each naming its run, adapter and base
     <out>/summary.json    held-out solved at every evaluation, the run's time
+    <out>/stopped.json    a run a signal stopped (preemption): which signal, its last checkpoint
     <out>/archive/<time>/ earlier runs, moved aside by --archive-old-run
 
 `open_run` (rank 0, before anything is written there) takes the lock, picks the checkpoint to
 resume from (checkpoint.find), and refuses to start a fresh run over another run's files unless
-told to move them aside. After a crash `RunLog` drops the metrics lines of the steps that will be
+told to move them aside (the same command again, killed before its first checkpoint, starts its
+own run over in place). `StopRequest` turns SIGTERM and the like into a checkpoint and an exit. After a crash `RunLog` drops the metrics lines of the steps that will be
 redone, so the log always reads as one uninterrupted run. Checkpoints themselves are checkpoint.py's.
 """
 

@@ -329,24 +329,26 @@ def train_args(size: str) -> list:
                    "--resume", "none", "--lora-rank", "8", "--branch-points-per-group", "0"]
 
 
-def run_train(nproc: int, args, out_dir: Path) -> dict:
-    """One `train.py` run (a world of one, or torchrun); its metrics.jsonl, summarised."""
+def run_train(nproc: int, args, out_dir: Path, threads: int | None = None) -> dict:
+    """One `train.py` run (a world of one, or torchrun) with `threads` torch threads a process
+    (default --threads); its metrics.jsonl, summarised."""
     if nproc == 1:
         cmd = [sys.executable, "train.py"]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
                "train.py"]
     cmd += ["--out-dir", str(out_dir), *train_args(args.size)]
-    environ = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
-    log(f"train: {nproc} process(es): {' '.join(cmd[1:])}")
+    threads = threads or args.threads
+    environ = dict(os.environ, OMP_NUM_THREADS=str(threads))
+    log(f"train: {nproc} process(es) of {threads} thread(s): {' '.join(cmd[1:])}")
     t = time.time()
     proc = subprocess.run(cmd, cwd=ROOT, env=environ, capture_output=True, text=True, timeout=args.timeout)
     wall = time.time() - t
     if proc.returncode != 0:
         log(f"  train.py failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-        return {"nproc": nproc, "failed": proc.returncode, "stderr_tail": proc.stderr[-2000:]}
+        return {"nproc": nproc, "threads": threads, "failed": proc.returncode, "stderr_tail": proc.stderr[-2000:]}
     rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
-    return {"nproc": nproc, "wall_s": wall, **summarise_train(rows, train_args(args.size))}
+    return {"nproc": nproc, "threads": threads, "wall_s": wall, **summarise_train(rows, train_args(args.size))}
 
 
 def summarise_train(rows: list, train_argv: list) -> dict:
@@ -376,15 +378,22 @@ def summarise_train(rows: list, train_argv: list) -> dict:
 
 
 def bench_train(args) -> dict:
-    """Section 2 (and the measured half of 3): real steps with 1 and 2 processes (at --size tiny,
-    1 only: the torchrun run would double the smoke run's time and test nothing of bench's own)."""
+    """Section 2 (and the measured half of 3): real steps with 1 and 2 processes, and 1 process with
+    as many threads as the 2 processes have together: what the second process buys over giving
+    the one process the second core (at --size tiny, 1 process only: the other runs would triple
+    the smoke run's time and test nothing of bench's own)."""
     out = {"args": train_args(args.size), "threads_per_process": args.threads, "load_start": load()}
     with tempfile.TemporaryDirectory(prefix="bench-train-") as tmp:
         for nproc in (1,) if args.size == "tiny" else (1, 2):
             out[f"nproc_{nproc}"] = run_train(nproc, args, Path(tmp) / f"n{nproc}")
+        if args.size != "tiny":
+            out["nproc_1_threads_2"] = run_train(1, args, Path(tmp) / "n1t2", threads=2 * args.threads)
     one, two = out["nproc_1"], out.get("nproc_2", {"failed": "not run"})
+    wide = out.get("nproc_1_threads_2", {"failed": "not run"})
     if "failed" not in one and "failed" not in two:
         out["scaling_2_vs_1"] = two["episodes_per_s"]["median"] / one["episodes_per_s"]["median"]
+    if "failed" not in wide and "failed" not in two:
+        out["scaling_2_vs_1_with_the_threads"] = two["episodes_per_s"]["median"] / wide["episodes_per_s"]["median"]
     out["load_end"] = load()
     return out
 
@@ -581,7 +590,7 @@ def table(results: dict) -> str:
     if t := results.get("train"):
         # the columns are the timings the trainer wrote (either run's), those on intervals and the
         # whole step (as the core step) last
-        runs = [n for n in (1, 2) if f"nproc_{n}" in t]
+        runs = [n for n in ("1", "1_threads_2", "2") if f"nproc_{n}" in t]
         phases = []
         for n in runs:
             phases += [k for k in t[f"nproc_{n}"].get("phases", []) if k not in phases and k != STEP_KEY]
@@ -592,21 +601,24 @@ def table(results: dict) -> str:
                     ("episodes/s", "episodes_per_s")]
         lines += ["### Training step, phase by phase (seconds; steps after the first)", "",
                   f"`train.py {' '.join(t['args'])}`, {t['threads_per_process']} thread(s) per process.", "",
-                  "| processes | " + " | ".join(name for name, _ in columns) + " |",
+                  "| processes x threads | " + " | ".join(name for name, _ in columns) + " |",
                   "| --- " * (len(columns) + 1) + "|"]
         for n in runs:
             x = t[f"nproc_{n}"]
+            who = f"{x['nproc']} x {x.get('threads', t['threads_per_process'])}"
             if "failed" in x:
-                lines.append(f"| {n} | failed ({x['failed']}) |" + " |" * (len(columns) - 1))
+                lines.append(f"| {who} | failed ({x['failed']}) |" + " |" * (len(columns) - 1))
                 continue
-            lines.append(f"| {n} | " + " | ".join(fmt(x[key]) if key in x else "n/a" for _, key in columns) + " |")
+            lines.append(f"| {who} | " + " | ".join(fmt(x[key]) if key in x else "n/a" for _, key in columns) + " |")
         if "scaling_2_vs_1" in t:
-            lines += ["", f"Scaling, episodes/s with 2 processes over 1: **{t['scaling_2_vs_1']:.2f}x**."]
+            lines += ["", f"Scaling, episodes/s with 2 processes over 1: **{t['scaling_2_vs_1']:.2f}x**"
+                      + (f"; over 1 process with both threads: **{t['scaling_2_vs_1_with_the_threads']:.2f}x**"
+                         if "scaling_2_vs_1_with_the_threads" in t else "") + "."]
         lines.append("")
     if t := results.get("train"):
         lines += ["### LoRA sync", "", "| what | bytes | seconds | share of step (w/o eval+ckpt) |",
                   "| --- | --- | --- | --- |"]
-        for n in [n for n in (1, 2) if f"nproc_{n}" in t]:
+        for n in [n for n in ("1", "2") if f"nproc_{n}" in t]:
             x = t[f"nproc_{n}"]
             if "failed" not in x:
                 lines.append(f"| tiny model, rank 8, {n} process(es) | {x['sync_bytes']:.0f} | {fmt(x['sync_s'])} | "

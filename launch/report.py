@@ -114,8 +114,7 @@ def run_row(run: Path, target: float) -> dict:
     return {"run": str(run), "seed": config["seed"], "baseline": evals[0]["solve_rate"], "best": best["solve_rate"],
             "best_step": best["step"], "final": evals[-1]["solve_rate"], "final_step": evals[-1]["step"],
             "total": evals[0]["total"], "steps_to_target": step, "seconds_to_target": seconds,
-            **{k: mean(k) for k in ("rollout_s", "logprobs_s", "update_s", "sync_s", "eval_s", "checkpoint_s",
-                                   "step_s")}}
+            **{k: mean(k) for k in PHASES}}
 
 
 def seeds_table(rows: list[dict], target: float) -> str:
@@ -138,15 +137,16 @@ def seeds_table(rows: list[dict], target: float) -> str:
     reached = sum(r["steps_to_target"] is not None for r in rows)
     lines.append(f"| mean ± std | | {spread('baseline')} | {spread('best')} | {spread('final')} | "
                  f"{reached}/{len(rows)} reached | |")
-    lines += ["", "| mean seconds per step | rollout | logprobs | update | sync | eval | checkpoint | total |",
-              "|---|---|---|---|---|---|---|---|"]
+    lines += ["", "| mean seconds per step | " + " | ".join(k[:-2] for k in PHASES[:-1]) + " | total |",
+              "|---" * (len(PHASES) + 1) + "|"]
     for r in rows:
-        lines.append(f"| {r['run']} | " + " | ".join(f"{r[k]:.2f}" for k in (
-            "rollout_s", "logprobs_s", "update_s", "sync_s", "eval_s", "checkpoint_s", "step_s")) + " |")
+        lines.append(f"| {r['run']} | " + " | ".join(f"{r[k]:.2f}" for k in PHASES) + " |")
     return "\n".join(lines)
 
 
 RESULTS = ROOT / "docs" / "results" / "rl_lift.json"
+# the step's phases train.py times (branch_s is inside rollout_s), the whole step last
+PHASES = ("rollout_s", "advantages_s", "update_s", "sync_s", "eval_s", "checkpoint_s", "step_s")
 
 
 def sampled_temperature(config: dict) -> float:

@@ -67,7 +67,7 @@ def test_every_section_runs_at_its_smallest_size(tiny_model, tmp_path):
 
     # the table names every phase train.py wrote, and no other
     table = proc.stdout[proc.stdout.index("### Training step"):]
-    header = next(line for line in table.splitlines() if line.startswith("| processes |"))
+    header = next(line for line in table.splitlines() if line.startswith("| processes x threads |"))
     for k in phases:
         if k != "step_s":
             assert f"| {k[:-2].replace('_', ' ')}" in header, (k, header)
