@@ -647,21 +647,9 @@ def _build_policy_check(results):
 
 
 def test_gpu_check_build_policy_equals_its_saved_source_and_the_comparison_sees_a_change():
-    import multiprocessing
+    from test_policy import in_fresh_process
 
-    ctx = multiprocessing.get_context("spawn")
-    results = ctx.Queue()
-    proc = ctx.Process(target=_build_policy_check, args=(results,))
-    proc.start()
-    out = None
-    for _ in range(60):  # bounded wait, and fail fast if the child died
-        try:
-            out = results.get(timeout=5)
-            break
-        except Exception:
-            assert proc.is_alive(), f"the check died (exit code {proc.exitcode})"
-    proc.join(timeout=60)
-    assert out is not None, "the check timed out"
+    out = in_fresh_process(_build_policy_check)
     bad, compared = out["clean"]
     assert bad == [] and compared["tensors"] > 50
     outside = compared["buffers_outside_the_state_dict"]  # what a state-dict comparison alone would miss
