@@ -205,6 +205,28 @@ def lift_record(run: Path, kind: str, command: str) -> dict:
             "command": command}
 
 
+def records_table(records: list[dict]) -> str:
+    """The README's table: one row a recorded run (seed order), then the mean lift in points."""
+    rows = sorted(records, key=lambda r: r["seed"])
+    lines = ["| seed | warm start | GRPO best (step) | GRPO final (step) | lift, final | held-out forks right | "
+             "first training mazes |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        n = r["total"]
+        forks = (f"{r['forks_before']} -> {r['forks_after']} of {r['forks_total']}"
+                 if r.get("forks_total") else "not scored")
+        train = (f"{r['train_solved_before']} -> {r['train_solved_after']}"
+                 if r.get("train_solved_before") is not None else "-")
+        lines.append(f"| {r['seed']} | {r['warm_start_solved']}/{n} | {r['best_solved']}/{n} ({r['best_step']}) | "
+                     f"{r['final_solved']}/{n} ({r['final_step']}) | "
+                     f"{100 * (r['final_solved'] - r['warm_start_solved']) / n:+.1f} points | {forks} | {train} |")
+    lifts = [100 * (r["final_solved"] - r["warm_start_solved"]) / r["total"] for r in rows]
+    gaps = [100 * (r["best_solved"] - r["final_solved"]) / r["total"] for r in rows]
+    if rows:
+        lines += ["", f"Final lift {sum(lifts) / len(lifts):+.1f} points mean (seeds {', '.join(f'{x:+.1f}' for x in lifts)}); "
+                      f"final below best by {', '.join(f'{x:.1f}' for x in gaps)} points."]
+    return "\n".join(lines)
+
+
 def record(records: list[dict], path: Path = RESULTS):
     """Add (or replace, by run dir) records in the results file, atomically."""
     old = json.loads(path.read_text()) if path.exists() else []
@@ -218,7 +240,9 @@ def record(records: list[dict], path: Path = RESULTS):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("runs", type=Path, nargs="+")
+    parser.add_argument("runs", type=Path, nargs="*")
+    parser.add_argument("--table", default="", help="print the README's table of the recorded runs whose run dir "
+                        "contains this text (runs/mainb-seed: the three branch runs), from the results file, and stop")
     parser.add_argument("--target", type=float, default=0.9, help="solve rate for the time-to-target columns")
     parser.add_argument("--record", default="", choices=["", "main", "long", "control"],
                         help="also add each run to docs/results/rl_lift.json as this kind (control: a run "
@@ -226,6 +250,12 @@ def main():
     parser.add_argument("--command", default="", help="the command that made the runs (for --record)")
     parser.add_argument("--results", type=Path, default=RESULTS, help="the results file --record writes")
     args = parser.parse_args()
+    if args.table:
+        recorded = json.loads(args.results.read_text()) if args.results.exists() else []
+        print(records_table([r for r in recorded if args.table in r["run"]]))
+        return
+    if not args.runs:
+        parser.error("give run directories (or --table)")
     loaded = {}  # run -> (its evaluations, its config), each file read once
     for run in args.runs:
         evals = load_evals(run)

@@ -722,3 +722,22 @@ def test_the_readmes_test_commands_select_the_tests_they_name():
         matcher = Expression.compile(expression.strip('"'))
         selected = [n for n in names if matcher.evaluate(lambda word, **kw: word.lower() in n.lower())]
         assert selected, f"pytest {path} -k {expression} selects nothing"
+
+
+def test_the_readmes_table_comes_from_the_recorded_runs(tmp_path):
+    """launch/report.py --table: the recorded runs whose dir matches, a row each by seed, and the
+    mean final lift; another kind's runs stay out."""
+    records = [{"kind": "main", "run": f"runs/x-seed{s}/grpo", "seed": s, "total": 64, "warm_start_solved": 30,
+                "best_solved": 40, "best_step": 100, "final_solved": 30 + 4 * s, "final_step": 150,
+                "forks_before": 70, "forks_after": 80, "forks_total": 108, "train_solved_before": 30,
+                "train_solved_after": 31, "command": "c"} for s in (2, 0, 1)]
+    records.append({**records[0], "run": "runs/other-seed0/grpo", "final_solved": 64})
+    (tmp_path / "r.json").write_text(json.dumps(records))
+    proc = subprocess.run([sys.executable, "launch/report.py", "--table", "runs/x-seed", "--results",
+                           str(tmp_path / "r.json")], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| ") and "seed" not in line
+            and "---" not in line]
+    assert [r.split("|")[1].strip() for r in rows] == ["0", "1", "2"]
+    assert "| 38/64 (150) | +12.5 points | 70 -> 80 of 108 | 30 -> 31 |" in rows[2]
+    assert "Final lift +6.2 points mean (seeds +0.0, +6.2, +12.5); final below best by 15.6, 9.4, 3.1" in proc.stdout
