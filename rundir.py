@@ -12,7 +12,8 @@
 `open_run` (rank 0, before anything is written there) takes the lock, picks the checkpoint to
 resume from (checkpoint.find), and refuses to start a fresh run over another run's files unless
 told to move them aside (the same command again, killed before its first checkpoint, starts its
-own run over in place). `StopRequest` turns SIGTERM and the like into a checkpoint and an exit. After a crash `RunLog` drops the metrics lines of the steps that will be
+own run over in place). `StopRequest` turns SIGTERM and the like into a checkpoint and an exit.
+After a crash `RunLog` drops the metrics lines of the steps that will be
 redone, so the log always reads as one uninterrupted run. Checkpoints themselves are checkpoint.py's.
 """
 
@@ -268,7 +269,8 @@ def _open_run(out: Path, cfg, base: dict, log) -> tuple[str, dict]:
         return str(ckpt), {**run, "base": base}
     if ckpt is None and not restart:
         used = used_run_files(out)
-        if used and cfg.resume == "latest" and run is not None and is_same_run(out, cfg, base, run):
+        differences = run_differences(out, cfg, base, run) if used and run is not None else None
+        if used and cfg.resume == "latest" and differences == []:
             # the same command again (a requeued job, a restarted pod, a rerun) before its first
             # checkpoint: it starts over in place, as the same run
             log(f"{out} holds this run (the same settings and base) with no checkpoint yet: starting it over in place")
@@ -278,12 +280,11 @@ def _open_run(out: Path, cfg, base: dict, log) -> tuple[str, dict]:
                 why = "--resume none"
                 # advise --resume latest only where it would not be refused in turn
                 resumable = any(checkpoint.verify(p) is None for p in (out / "checkpoints").glob("step_*")) or \
-                    (run is not None and is_same_run(out, cfg, base, run))
+                    differences == []
                 why += ": --resume latest continues it," if resumable else ":"
             else:
                 why = "there is no checkpoint to resume from" + (
-                    f" and its settings or base differ from these ({'; '.join(run_differences(out, cfg, base, run))}):"
-                    if run else ":")
+                    f" and its settings or base differ from these ({'; '.join(differences)}):" if differences else ":")
             raise SystemExit(f"{out} holds another run ({', '.join(used)}) and {why} --archive-old-run true moves "
                              f"it into {out / checkpoint.ARCHIVE_DIR}/ first, or pick a new --out-dir")
         if used:
@@ -309,10 +310,6 @@ def run_differences(out: Path, cfg, base: dict, run: dict) -> list[str]:
     if run.get("base") != base:
         differences.append(f"base: {run.get('base')} -> {base}")
     return differences
-
-
-def is_same_run(out: Path, cfg, base: dict, run: dict) -> bool:
-    return not run_differences(out, cfg, base, run)
 
 
 # The lock: a file created with O_EXCL, which is atomic on local disks, NFS (v3 and later) and
