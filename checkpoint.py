@@ -35,6 +35,7 @@ import distributed
 
 # The adapter directory's record of the base it was trained on (serve.py refuses a mismatch).
 BASE_MODEL_FILE = "base_model.json"
+AVERAGE_FILE = "average_model.safetensors"  # a checkpoint's tail average (average.py), beside the LoRA
 
 
 class WriteError(OSError):
@@ -234,7 +235,7 @@ def load_lora_state(model, adapter_file: Path):
 # ----------------------------------------------------------------------------- checkpoints
 
 def save(cfg, model, optimizer, scheduler, lora_state, step, stream, hours, out: Path, base,
-         mismatch_bound: float | None = None) -> Path | None:
+         mismatch_bound: float | None = None, average=None) -> Path | None:
     """Rank 0 writes the checkpoint into a hidden temp dir and returns it; `publish` makes it
     step_<N> once the step's metrics line is written (a crash before that redoes the step).
     Collective. A failed write (disk full, ...) stops every rank and leaves the previous one."""
@@ -247,10 +248,12 @@ def save(cfg, model, optimizer, scheduler, lora_state, step, stream, hours, out:
     if dist.get_rank() == 0:
         meta = {"step": step, "stream": stream.state_dict(), "process_hours": hours,
                 "world_size": dist.get_world_size(), "config": dataclasses.asdict(cfg),
-                "mismatch_bound": mismatch_bound}  # the stale-policy guard's, calibrated (update.StalePolicyGuard)
+                "mismatch_bound": mismatch_bound,  # the stale-policy guard's, calibrated (update.StalePolicyGuard)
+                "average_count": average.count if average else 0}  # the tail average's steps (average.py)
         trainer_state = {"optimizer": optim_state, "scheduler": scheduler.state_dict(), "rng": rngs}
         try:
-            tmp = write_checkpoint(out, step, model, lora_state, trainer_state, meta, base)
+            tmp = write_checkpoint(out, step, model, lora_state, trainer_state, meta, base,
+                                   average.state if average and average.count else None)
         except WriteError as e:
             error = str(e)
     error = distributed.broadcast_object(error)
@@ -259,13 +262,16 @@ def save(cfg, model, optimizer, scheduler, lora_state, step, stream, hours, out:
     return tmp
 
 
-def write_checkpoint(out: Path, step: int, model, lora_state: dict, trainer_state: dict, meta: dict, base) -> Path:
+def write_checkpoint(out: Path, step: int, model, lora_state: dict, trainer_state: dict, meta: dict, base,
+                     average_state: dict | None = None) -> Path:
     """The checkpoint's files in a hidden temp dir, sealed (meta.json last); returns the dir. If
     the disk refuses (full, read-only), the temp dir goes and WriteError says so."""
     tmp = out / "checkpoints" / f".step_{step}.tmp-{uuid.uuid4().hex[:8]}"
     try:
         tmp.mkdir(parents=True)
         write_adapter_files(model, lora_state, tmp, base)
+        if average_state is not None:
+            save_file(average_state, str(tmp / AVERAGE_FILE))
         torch.save(trainer_state, tmp / "trainer_state.pt")
         seal(tmp, meta)
         return tmp
@@ -312,6 +318,12 @@ def load(path: Path, cfg, model, optimizer, scheduler, stream, log=print) -> tup
     return meta["step"], meta["process_hours"]
 
 
+def load_average(path: Path | None) -> dict:
+    """The tail average a checkpoint holds (average.TailAverage's state and count), or none."""
+    count = saved_meta(path).get("average_count", 0) if path else 0
+    return {"state": load_file(str(path / AVERAGE_FILE)), "count": count} if count else {}
+
+
 def saved_meta(path: Path) -> dict:
     """A (verified) checkpoint's meta.json."""
     return json.loads((path / "meta.json").read_text())
@@ -351,7 +363,7 @@ def publish(out: Path, tmp: Path, step: int, keep: int):
         atomic_write_text(root / "latest", f"step_{step}")
     except OSError as e:
         remove_tmp(tmp)
-        raise write_error(f"checkpoint step_{step}", root, e, f"`latest` still names the previous one") from e
+        raise write_error(f"checkpoint step_{step}", root, e, "`latest` still names the previous one") from e
     prune(root, "step_", keep, current=step)
 
 
@@ -400,9 +412,10 @@ def config_changes(saved: dict, current: dict) -> list[str]:
     """'name: saved -> current' for each meaningful field (config.py declares which) that differs:
     resuming with another value would silently mix two runs (the optimizer and schedule are the
     checkpoint's). Everything else (intervals, paths, memory settings) can change on resume, and
-    `steps` too under a constant learning rate; under a decaying one it sets the schedule."""
+    `steps` too under a constant learning rate and no tail average; a decaying rate's horizon and
+    the average's window are set by it."""
     fields = config.meaningful_fields()
-    if saved.get("lr_schedule", "constant") != "constant":
-        fields.append("steps")  # a decaying schedule's horizon: another step count is another schedule
+    if saved.get("lr_schedule", "constant") != "constant" or saved.get("average_frac", 0):
+        fields.append("steps")  # another step count is another schedule, another window
     return [f"{k}: {saved[k]!r} -> {current[k]!r}" for k in fields
             if k in saved and k in current and saved[k] != current[k]]

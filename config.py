@@ -117,6 +117,10 @@ class OptimConfig:
                                       "(transformers.get_scheduler); a decaying one fixes `steps` on resume",
                                meaningful=True)
     decay_frac: float = setting(0.3, "wsd: the share of the steps over which the rate decays to 0", meaningful=True)
+    average_frac: float = setting(0.3, "the policy the run evaluates, exports and serves is the mean of its LoRA "
+                                       "after each of the last average_frac of the steps (average.py; rollouts "
+                                       "stay on the current one); 0: the last step's; fixes `steps` on resume",
+                                  meaningful=True)
     max_grad_norm: float = setting(1.0, "gradient clipping", meaningful=True)
     num_mini_batches: int = setting(1, "optimizer steps per pass over the rollout batch; > 1: the PPO clip acts",
                                     meaningful=True)
@@ -160,6 +164,9 @@ class RunConfig:
     sampled_eval_samples: int = setting(8, "> 0: also the sampled solve rate, this many episodes a maze, at the "
                                            "start and the end")
     sampled_eval_temperature: float = setting(1.0, "the sampled evaluation's temperature (1: the policy itself)")
+    probe_states: int = setting(32, "held-out first turns on which each step measures how far the update moved "
+                                    "the policy (probe_kl, probe_flip_frac; rollout.PolicyProbe), at least one per "
+                                    "process; 0: off")
     ckpt_interval: int = setting(50, "checkpoint every N steps (and at the end)")
     export_interval: int = setting(50, "write a servable adapter to <out_dir>/adapters every N steps (and at the end)")
     keep_checkpoints: int = setting(3, "checkpoints kept")
@@ -209,6 +216,11 @@ class Config(*reversed(SECTIONS)):
             problems.append("lr_schedule must be wsd, cosine or constant")
         if not 0 < self.decay_frac <= 1:
             problems.append("decay_frac must be in (0, 1]")
+        if not 0 <= self.average_frac <= 1:
+            problems.append("average_frac must be in [0, 1]")
+        if self.probe_states and self.eval_mazes < world_size:
+            problems.append(f"eval_mazes ({self.eval_mazes}) must be at least the number of processes "
+                            f"({world_size}) for every rank to probe a state (or probe_states 0)")
         if self.branch_points_per_group < 0 or self.branch_weight <= 0:
             problems.append("branch_points_per_group must be >= 0 and branch_weight > 0")
         if self.tis_cap < 0 or self.train_pool < 0 or self.sampled_eval_samples < 0 or self.max_new_tokens < 0 \

@@ -332,14 +332,20 @@ def publish_adapter(model, shared: Path, step: int, keep: int, base_model: dict)
     directory, the full LoRA state (for checkpoints and exports) and its size in bytes."""
     state = gather_lora_state(model)
     path = shared / "sync" / f"step_{step}"
+    write_shared_adapter(model, state, path, keep, base_model)
+    return path, state, sum(v.numel() * v.element_size() for v in state.values())
+
+
+def write_shared_adapter(model, state: dict, path: Path, keep: int, base_model: dict, what: str = "LoRA sync"):
+    """Rank 0 writes `state` as an adapter at `path` and keeps the newest `keep` of its siblings;
+    a failed write stops every rank, not only the one that failed. Collective."""
     error = None
     if dist.get_rank() == 0:
         try:
             checkpoint.write_adapter(model, state, path, base_model)
-            checkpoint.prune(shared / "sync", "step_", keep, current=step)
+            checkpoint.prune(path.parent, "step_", keep, current=int(path.name.removeprefix("step_")))
         except checkpoint.WriteError as e:
             error = str(e)
     error = distributed.broadcast_object(error)
     if error:
-        raise SystemExit(f"LoRA sync failed: {error}")
-    return path, state, sum(v.numel() * v.element_size() for v in state.values())
+        raise SystemExit(f"{what} failed: {error}")

@@ -28,6 +28,7 @@ once per turn in one batch, instead of token by token inside the engine (`detoke
 import base64
 import hashlib
 import io
+import math
 from dataclasses import dataclass, field, replace
 
 from tqdm import tqdm
@@ -525,3 +526,48 @@ def rollout_metrics(episodes: list) -> dict:
     for reason in ("stop", "turn_limit", "context_limit"):
         metrics[f"end_{reason}"] = sum(e.end_reason == reason for e in episodes) / n
     return metrics
+
+
+class PolicyProbe:
+    """How far one update moved the policy, on fixed held-out states: the first turns of the
+    first `n` evaluation mazes. After each sync the engine gives its distribution over the first
+    reply token in each (the top `top` tokens); `measure` returns, against the previous sync's,
+    the mean KL(before || after) over the states and the share of them whose most likely first
+    token changed (the greedy move flipped). Both distributions are taken over the union of the
+    two top-`top` sets, a token outside one's top set at that set's smallest probability (an upper
+    bound), renormalised: exact when the top sets hold nearly all the mass, as one-move replies do.
+    Cheap: n prompts, one token each."""
+
+    def __init__(self, chat: "ChatFormat", mazes: list, env_settings: visgym.EnvSettings, top: int = 20):
+        self.prompts = []
+        for maze in mazes:
+            game = env_settings.make(maze)
+            obs = game.reset()
+            turn = chat.open_turn(game.first_text(obs), obs.image, game.agent)
+            self.prompts.append({"prompt_token_ids": turn.prompt_ids, "multi_modal_data": {"image": [obs.image]}})
+        self.top, self.banned, self.previous = top, chat.banned_token_ids, None
+
+    def distributions(self, engine, lora_request) -> list[dict] | None:
+        from vllm import SamplingParams
+
+        if not self.prompts:  # probe_states 0: off
+            return None
+        params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=self.top, detokenize=False,
+                                logit_bias=sampling_logit_bias(self.banned))
+        outputs = engine.generate(self.prompts, params, lora_request=lora_request, use_tqdm=False)
+        return [{token: math.exp(lp.logprob) for token, lp in out.outputs[0].logprobs[0].items()} for out in outputs]
+
+    def measure(self, engine, lora_request) -> dict:
+        current, before = self.distributions(engine, lora_request), self.previous
+        self.previous = current
+        if before is None:
+            return {}
+        kls, flips = [], 0
+        for p, q in zip(before, current):
+            support = p.keys() | q.keys()
+            p_all = {t: p.get(t, min(p.values())) for t in support}
+            q_all = {t: q.get(t, min(q.values())) for t in support}
+            zp, zq = sum(p_all.values()), sum(q_all.values())
+            kls.append(sum(p_all[t] / zp * math.log((p_all[t] / zp) / (q_all[t] / zq)) for t in support))
+            flips += max(p, key=p.get) != max(q, key=q.get)
+        return {"probe_kl": sum(kls) / len(kls), "probe_flip_frac": flips / len(kls)}

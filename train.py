@@ -20,7 +20,8 @@ and a whole in-process vLLM engine (vllm_engine.py), through which rollout.py pl
                      engine's log-probs against the trainer's on the tokens it trains (a step that
                      trains none measures nothing; update.StalePolicyGuard)
     5. eval / checkpoint / export on their intervals (checkpoint.py), one metrics line per step
-       (rundir.py)
+       (rundir.py); over the last average_frac of the steps, what is evaluated and exported is
+       the mean of the policies of those steps (average.py), while rollouts stay on the current one
 
 On a GPU the engine sleeps while the trainer updates (--engine-sleep: by default its weights go
 to host RAM and its KV cache is dropped; vllm_engine.EngineSleep has the other choices) and wakes up
@@ -44,6 +45,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+import average
 import branch
 import checkpoint
 import distributed
@@ -61,15 +63,18 @@ from distributed import log0
 
 # ----------------------------------------------------------------------------- evaluation
 
-def evaluate(cfg, engine, chat, lora_request, step: int, out: Path, run: dict | None = None) -> dict:
+def evaluate(cfg, engine, chat, lora_request, step: int, out: Path, run: dict | None = None,
+             last_iterate=None) -> dict:
     """Greedy play of the fixed evaluation mazes, split over ranks, through the chat API exactly as
     `serve.py eval` plays them over HTTP (rollout.play_chat_episodes); rank 0 writes the JSON.
     Beside them, greedy play of the first eval_mazes training mazes (`training_mazes`): a policy
     that memorises rises there only. With sampled_eval_samples, also the mean solve rate of that
-    many sampled episodes per held-out maze. The file names the run, adapter and base it played."""
-    replies = rollout.engine_replies(engine, lora_request, cfg.max_new_tokens, chat.banned_token_ids)
+    many sampled episodes per held-out maze. The file names the run, adapter and base it played.
+    With `last_iterate` (the current policy, when `lora_request` is the tail average), its greedy
+    play of the held-out mazes too: the average against the policy it would otherwise publish."""
 
-    def greedy(mazes: list, desc: str) -> dict:
+    def greedy(mazes: list, desc: str, request=lora_request) -> dict:
+        replies = rollout.engine_replies(engine, request, cfg.max_new_tokens, chat.banned_token_ids)
         mine = list(range(dist.get_rank(), len(mazes), dist.get_world_size()))
         episodes = rollout.play_chat_episodes(
             [mazes[i] for i in mine], replies, visgym.EnvSettings.of(cfg), max_images=cfg.max_images or None,
@@ -83,6 +88,9 @@ def evaluate(cfg, engine, chat, lora_request, step: int, out: Path, run: dict | 
     seen = env.first_training_mazes(cfg.difficulty, min(cfg.train_pool or cfg.eval_mazes, cfg.eval_mazes),
                                     cfg.eval_mazes, cfg.env_style, cfg.seed)  # a pool's mazes, or the stream's first
     result["training_mazes"] = greedy(seen, f"training mazes@{step}")
+    if last_iterate is not None:
+        result["last_iterate"] = {"adapter": last_iterate.lora_path,
+                                  **greedy(mazes, f"last iterate@{step}", last_iterate)}
     if cfg.sampled_eval_samples and (step == 0 or step == cfg.steps):
         mine = list(range(dist.get_rank(), len(mazes), dist.get_world_size()))
         sampled = rollout.play_episodes(
@@ -96,9 +104,26 @@ def evaluate(cfg, engine, chat, lora_request, step: int, out: Path, run: dict | 
     if dist.get_rank() == 0:
         rundir.eval_file(out, result, run or {"run_id": None, "base": None}, lora_request)
     train_mazes = result["training_mazes"]
-    log0(f"eval step {step}: solved {result['solved']}/{result['total']} held-out, "
-         f"{train_mazes['solved']}/{train_mazes['total']} of the first training mazes")
+    log0(f"eval step {step}: solved {result['solved']}/{result['total']} held-out"
+         + (f" (the tail average; the current policy {result['last_iterate']['solved']})" if last_iterate else "")
+         + f", {train_mazes['solved']}/{train_mazes['total']} of the first training mazes")
     return result
+
+
+def evaluate_published(cfg, engine, chat, lora_request, tail: average.TailAverage, model, step: int, out: Path,
+                       shared: Path, run: dict, base: dict) -> dict:
+    """Evaluate the policy the run publishes after `step`: the current one (`lora_request`), or
+    once the tail average has begun, the average, written beside the syncs and loaded next to the
+    current policy (which the next rollouts use), with the current one's held-out play beside it."""
+    if not tail.active(step):
+        return evaluate(cfg, engine, chat, lora_request, step, out, run)
+    path = shared / "average" / f"step_{step}"
+    policy.write_shared_adapter(model, tail.state, path, cfg.keep_syncs, base, what="the tail average's write")
+    request = vllm_engine.add_adapter(engine, path, f"average-step-{step}", vllm_engine.AVERAGE_ID_OFFSET + step)
+    try:
+        return evaluate(cfg, engine, chat, request, step, out, run, last_iterate=lora_request)
+    finally:
+        engine.llm_engine.remove_lora(request.lora_int_id)
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -172,9 +197,17 @@ def main(cfg: Config):
                                   worst_over_ranks=distributed.max_over_ranks)
     guard = update.StalePolicyGuard(cfg.mismatch_bound, cfg.mismatch_steps, on_gpu, start_step,
                                     checkpoint.saved_meta(Path(ckpt)).get("mismatch_bound") if ckpt else None)
+    # the policy the run publishes: from the first step of its last average_frac on, the mean of
+    # the LoRA after each step (average.py), restored from the checkpoint
+    tail = average.TailAverage(cfg.steps - round(cfg.average_frac * cfg.steps) + 1, cfg.lora_rank,
+                               **checkpoint.load_average(Path(ckpt) if ckpt else None))
     lora_request, lora_state, _ = sync(model, engine, shared, start_step, cfg, base)
+    # how far each update moves the policy, on fixed held-out first turns (this rank's share)
+    probe_mazes = env.eval_mazes(cfg.difficulty, cfg.eval_mazes, cfg.env_style)[:max(cfg.probe_states, world)]
+    probe = rollout.PolicyProbe(chat, probe_mazes[rank::world] if cfg.probe_states else [], visgym.EnvSettings.of(cfg))
+    probe.measure(engine, lora_request)
     if (start_step == 0 or start_step % cfg.eval_interval == 0) and not rundir.has_eval(out, start_step, run):
-        evaluate(cfg, engine, chat, lora_request, start_step, out, run)
+        evaluate_published(cfg, engine, chat, lora_request, tail, model, start_step, out, shared, run, base)
 
     per_rank, run_start = cfg.prompts_per_step // world, time.time()
     stop, stopped, abandoned = rundir.StopRequest(), 0, False  # SIGTERM and the like: rundir.py
@@ -226,20 +259,28 @@ def main(cfg: Config):
         sleeper.wake(engine)
         lora_request, lora_state, sync_stats = sync(model, engine, shared, step + 1, cfg, base)
         timing["sync_s"], metrics["sync_bytes"] = sync_stats["sync_s"], sync_stats["sync_bytes"]
+        t0 = time.time()
+        metrics.update(probe.measure(engine, lora_request))
+        timing["probe_s"] = time.time() - t0
 
-        # 5. eval, checkpoint, export on their intervals; one metrics line per step
+        # 5. the tail average; eval, checkpoint, export on their intervals; one metrics line per step
         done, t0 = step + 1, time.time()
+        if done >= tail.first_step:
+            tail.add(lora_state)
+            metrics["average_dropped"] = tail.dropped
+        published = tail.state if tail.active(done) else lora_state  # what evaluations and exports show
         if done % cfg.eval_interval == 0 or done == cfg.steps:
-            metrics["eval_solve_rate"] = evaluate(cfg, engine, chat, lora_request, done, out, run)["solve_rate"]
+            metrics["eval_solve_rate"] = evaluate_published(cfg, engine, chat, lora_request, tail, model, done, out,
+                                                            shared, run, base)["solve_rate"]
         timing["eval_s"], t0 = time.time() - t0, time.time()
         hours += (time.time() - step_start) * world / 3600
         ckpt_tmp = None
         if done % cfg.ckpt_interval == 0 or done == cfg.steps:
             saved_step = done
             ckpt_tmp = checkpoint.save(cfg, model, optimizer, scheduler, lora_state, done, stream, hours, out, base,
-                                       mismatch_bound=guard.bound)
+                                       mismatch_bound=guard.bound, average=tail)
         if rank == 0 and (done % cfg.export_interval == 0 or done == cfg.steps):
-            checkpoint.write_adapter(model, lora_state, out / "adapters" / f"step_{done}", base)
+            checkpoint.write_adapter(model, published, out / "adapters" / f"step_{done}", base)
         timing["checkpoint_s"], timing["step_s"] = time.time() - t0, time.time() - step_start
         metrics = step_metrics(metrics, timing, hours, on_gpu)
         if rank == 0:
@@ -254,7 +295,7 @@ def main(cfg: Config):
     if stopped:  # the last completed step is `step`: checkpointed, unless it already is
         if saved_step != step:
             ckpt_tmp = checkpoint.save(cfg, model, optimizer, scheduler, lora_state, step, stream, hours, out, base,
-                                       mismatch_bound=guard.bound)
+                                       mismatch_bound=guard.bound, average=tail)
             if rank == 0:
                 checkpoint.publish(out, ckpt_tmp, step, cfg.keep_checkpoints)
         if rank == 0:

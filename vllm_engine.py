@@ -213,12 +213,24 @@ def load_adapter(engine, path, step: int):
     returns the LoRARequest every later request names. A NEW id and path per step: vLLM loads an
     id only once, so re-using an id would silently keep generating with the old weights (and could
     reuse their prefix-cache blocks). The previous adapters are dropped from the engine."""
-    from vllm.lora.request import LoRARequest
-
-    request = LoRARequest(f"policy-step-{step}", step + 1, str(path))
-    engine.llm_engine.add_lora(request)
+    request = add_adapter(engine, path, f"policy-step-{step}", step + 1)
     for old in engine.llm_engine.list_loras() - {request.lora_int_id}:
         engine.llm_engine.remove_lora(old)
+    return request
+
+
+# The tail average (average.py) is evaluated beside the current policy, which stays loaded for the
+# next rollouts: its ids lie above every step's.
+AVERAGE_ID_OFFSET = 1 << 30
+
+
+def add_adapter(engine, path, name: str, lora_id: int):
+    """Load the adapter at `path` into the engine under `name` and `lora_id` (new ones: see
+    load_adapter); returns the LoRARequest that names it."""
+    from vllm.lora.request import LoRARequest
+
+    request = LoRARequest(name, lora_id, str(path))
+    engine.llm_engine.add_lora(request)
     return request
 
 

@@ -50,6 +50,10 @@ def plot_curves(run: Path, evals: list[dict], window: int = 25) -> Path:
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot([r["step"] for r in evals], [100 * r["solve_rate"] for r in evals], "o-",
             label=f"held-out solve rate ({evals[0]['total']} {evals[0]['difficulty']} mazes, greedy)")
+    current = [r for r in evals if "last_iterate" in r]
+    if current:  # while the published policy is the tail average: the current policy beside it
+        ax.plot([r["step"] for r in current], [100 * r["last_iterate"]["solve_rate"] for r in current], "x",
+                color="tab:blue", label="held-out, the last step's own policy (the line: the tail average)")
     seen = [r for r in evals if "training_mazes" in r]
     if seen:  # the mazes it trains on first, greedy: above the held-out curve is memorising
         ax.plot([r["step"] for r in seen], [100 * r["training_mazes"]["solve_rate"] for r in seen], "s--",
@@ -190,6 +194,10 @@ def lift_record(run: Path, kind: str, command: str) -> dict:
     return {"kind": kind, "run": str(run), "seed": config["seed"], "difficulty": evals[0]["difficulty"],
             "total": evals[0]["total"], "warm_start_solved": evals[0]["solved"], "best_solved": best["solved"],
             "best_step": best["step"], "final_solved": evals[-1]["solved"], "final_step": evals[-1]["step"],
+            # the published policy is the tail average over the last average_frac of the steps
+            # (average.py); the last step's own policy, evaluated beside it
+            "average_frac": config.get("average_frac", 0),
+            "final_last_iterate_solved": evals[-1].get("last_iterate", {}).get("solved"),
             # greedy play of the first training mazes (evaluations since 2026-12-03 have it)
             "train_solved_before": evals[0].get("training_mazes", {}).get("solved"),
             "train_solved_after": evals[-1].get("training_mazes", {}).get("solved"),
@@ -224,6 +232,10 @@ def records_table(records: list[dict]) -> str:
     if rows:
         lines += ["", f"Final lift {sum(lifts) / len(lifts):+.1f} points mean (seeds {', '.join(f'{x:+.1f}' for x in lifts)}); "
                       f"final below best by {', '.join(f'{x:.1f}' for x in gaps)} points."]
+    if rows and all(r.get("final_last_iterate_solved") is not None for r in rows):
+        lines[-1] += (f" The final policy is the mean of the last {rows[0]['average_frac']:.0%} of the steps' "
+                      f"(average.py); the last step's own solved "
+                      f"{', '.join(str(r['final_last_iterate_solved']) for r in rows)}.")
     return "\n".join(lines)
 
 

@@ -147,14 +147,16 @@ def test_a_full_disk_during_a_checkpoint_leaves_the_previous_one_newest(tmp_path
 
 def test_resume_with_meaningful_changes_is_refused_harmless_ones_are_taken():
     saved = train.Config(lr=1e-3, group_size=8, difficulty="small", steps=100, eval_interval=10,
-                         lr_schedule="constant").__dict__
+                         lr_schedule="constant", average_frac=0).__dict__
     same = train.Config(lr=1e-3, group_size=8, difficulty="small", steps=400, eval_interval=20, progress=False,
-                        lr_schedule="constant")
+                        lr_schedule="constant", average_frac=0)
     assert checkpoint.config_changes(saved, same.__dict__) == []  # longer run at a constant rate, other intervals
-    decaying = train.Config(lr_schedule="cosine", steps=100).__dict__  # steps is its horizon: guarded
-    assert checkpoint.config_changes(decaying, train.Config(lr_schedule="cosine", steps=400).__dict__) == \
-        ["steps: 100 -> 400"]
-    other = train.Config(lr=5e-4, group_size=4, difficulty="easy", steps=100, lr_schedule="constant").__dict__
+    for horizon in ({"lr_schedule": "cosine", "average_frac": 0}, {"lr_schedule": "constant", "average_frac": 0.3}):
+        # steps is a decaying rate's horizon and sets the tail average's window: guarded
+        assert checkpoint.config_changes(train.Config(**horizon, steps=100).__dict__,
+                                         train.Config(**horizon, steps=400).__dict__) == ["steps: 100 -> 400"]
+    other = train.Config(lr=5e-4, group_size=4, difficulty="easy", steps=100, lr_schedule="constant",
+                         average_frac=0).__dict__
     assert checkpoint.config_changes(saved, other) == ["difficulty: 'small' -> 'easy'", "group_size: 8 -> 4",
                                                        "lr: 0.001 -> 0.0005"]
 

@@ -22,8 +22,9 @@ ALLOWED = {
     "policy": {"checkpoint", "distributed", "grpo", "rollout", "tiny_model", "vllm_engine"},
     "update": {"distributed", "grpo", "policy"},
     "branch": {"env", "grpo", "rollout", "sft", "visgym"},
-    "train": {"branch", "checkpoint", "config", "distributed", "env", "grpo", "policy", "rollout", "rundir", "update",
-              "visgym", "vllm_engine"},
+    "average": set(),
+    "train": {"average", "branch", "checkpoint", "config", "distributed", "env", "grpo", "policy", "rollout", "rundir",
+              "update", "visgym", "vllm_engine"},
     "sft": {"env", "grpo", "policy", "rollout", "rundir", "visgym", "vllm_engine"},
     "serve": {"checkpoint", "config", "env", "policy", "rollout", "visgym", "vllm_engine"},
 }

@@ -408,3 +408,20 @@ def test_the_engine_is_built_with_vllms_native_top_k_top_p_sampler(monkeypatch):
             monkeypatch.setenv("VLLM_USE_FLASHINFER_SAMPLER", user)
         args = vllm_engine.build_engine("m", max_model_len=64, max_lora_rank=8, seed=0)
         assert args["model"] == "m" and seen[-1] == expected
+
+
+def test_the_policy_probe_measures_how_far_the_first_move_moved(engine, warm_start, monkeypatch):
+    """The engine's own first-token distributions on held-out first turns: the top set holds
+    nearly all the mass (so the KL is nearly exact), the same policy twice moved by 0, and a known
+    change gives its KL and its flipped argmax."""
+    _, chat = _chat(warm_start)
+    probe = rollout.PolicyProbe(chat, env.eval_mazes("small", 4), visgym.EnvSettings(), top=20)
+    assert probe.measure(engine, None) == {}  # nothing before the first
+    assert all(sum(d.values()) > 0.99 for d in probe.previous)
+    assert probe.measure(engine, None) == {"probe_kl": pytest.approx(0, abs=1e-9), "probe_flip_frac": 0}
+    before = [{1: 0.7, 2: 0.3}, {1: 0.5, 2: 0.5}]
+    after = [{1: 0.4, 2: 0.6}, {1: 0.5, 2: 0.5}]
+    monkeypatch.setattr(probe, "distributions", lambda *_: after)
+    probe.previous = before
+    kl = 0.7 * math.log(0.7 / 0.4) + 0.3 * math.log(0.3 / 0.6)
+    assert probe.measure(engine, None) == {"probe_kl": pytest.approx(kl / 2), "probe_flip_frac": 0.5}

@@ -64,6 +64,7 @@ def test_resume_is_exact_with_real_updates(tmp_path, short_run, warm_start):
     # real updates: groups with reward spread, non-zero advantages, the LoRA moved (the engine
     # sampling from exactly the trainer's policy is test_launch.py's two-node test's: dropout blurs it here)
     assert any(m["zero_variance_group_frac"] < 1 for m in a) and any(m["grad_norm"] > 0 for m in a)
+    assert all(m["probe_kl"] >= 0 for m in a) and any(m["probe_kl"] > 0 for m in a)  # how far each update moved
     final = straight / "checkpoints" / "step_4"
     assert lora_b_norm(final / "adapter_model.safetensors") > 1e-3  # PEFT starts B at exactly 0
     for x, y in zip(a, b):
@@ -74,9 +75,10 @@ def test_resume_is_exact_with_real_updates(tmp_path, short_run, warm_start):
     # the checkpoints: LoRA, Adam moments, schedule and stream. Not bitwise: the killed run's
     # engine restarts with an empty prefix cache, so its KV entries (and so the logprobs vLLM
     # reports, which TIS uses) are computed in other batch shapes; they agree to ~1e-7.
-    la, lb = load_file(str(final / "adapter_model.safetensors")), load_file(str(split / "checkpoints" / "step_4" /
-                                                                               "adapter_model.safetensors"))
-    assert la.keys() == lb.keys() and all(torch.allclose(la[k], lb[k], rtol=1e-4, atol=1e-6) for k in la)
+    # and the tail average of steps 2-4, carried over the kill by the step-2 checkpoint, exported
+    for adapter in (final / "adapter_model.safetensors", straight / "adapters" / "step_4" / "adapter_model.safetensors"):
+        la, lb = load_file(str(adapter)), load_file(str(split / adapter.relative_to(straight)))
+        assert la.keys() == lb.keys() and all(torch.allclose(la[k], lb[k], rtol=1e-4, atol=1e-6) for k in la)
     sa, sb = (torch.load(r / "checkpoints" / "step_4" / "trainer_state.pt", weights_only=False) for r in (straight, split))
     for key in ("exp_avg", "exp_avg_sq", "step"):
         moments_a = {n: s[key] for n, s in sa["optimizer"]["state"].items()}
@@ -86,14 +88,30 @@ def test_resume_is_exact_with_real_updates(tmp_path, short_run, warm_start):
                    for n in moments_a), key
     assert sa["scheduler"]["last_epoch"] == sb["scheduler"]["last_epoch"] == 4
     ma, mb = (json.loads((r / "checkpoints" / "step_4" / "meta.json").read_text()) for r in (straight, split))
-    assert ma["step"] == mb["step"] == 4 and ma["stream"] == mb["stream"]
+    assert ma["step"] == mb["step"] == 4 and ma["stream"] == mb["stream"] and ma["average_count"] == 3
+
+    # the published policy is the tail average: its delta is the mean of the policies after steps
+    # 2, 3 and 4 (the three syncs the shared dir keeps), up to what the truncation reported dropping
+    published = load_file(str(straight / "adapters" / "step_4" / "adapter_model.safetensors"))
+    syncs = [load_file(str(straight / "shared" / "sync" / f"step_{s}" / "adapter_model.safetensors")) for s in (2, 3, 4)]
+    error = exact = 0.0
+    for name_a in (n for n in published if "lora_A" in n):
+        name_b = name_a.replace("lora_A", "lora_B")
+        mean = sum(s[name_b] @ s[name_a] for s in syncs) / 3
+        error += (published[name_b] @ published[name_a] - mean).pow(2).sum().item()
+        exact += mean.pow(2).sum().item()
+    assert (error / exact) ** 0.5 < 1.5 * sum(m.get("average_dropped", 0) for m in a) + 1e-5
+    assert not torch.allclose(published[name_b] @ published[name_a], syncs[-1][name_b] @ syncs[-1][name_a])
 
     # what a run writes
     evals = json.loads((straight / "eval" / "step_4.json").read_text())
     assert evals["total"] == 8 == len(evals["mazes"]) and evals["fitting"] == 8
     # what it played: this run's id, the adapter synced after step 4, the base
     run = json.loads((straight / "run.json").read_text())
-    assert evals["run_id"] == run["run_id"] and evals["adapter"] == str(straight / "shared" / "sync" / "step_4")
+    assert evals["run_id"] == run["run_id"] and evals["adapter"] == str(straight / "shared" / "average" / "step_4")
+    assert evals["last_iterate"]["adapter"] == str(straight / "shared" / "sync" / "step_4")
+    assert evals["last_iterate"]["total"] == 8  # the current policy, beside the average
+    assert "last_iterate" not in json.loads((straight / "eval" / "step_0.json").read_text())  # none before step 2
     assert evals["base"]["path"] == str(warm_start.resolve()) and evals["base"]["fingerprint"]
     assert json.loads((split / "eval" / "step_4.json").read_text())["run_id"] == \
         json.loads((split / "run.json").read_text())["run_id"]  # a resumed run keeps its id
