@@ -24,14 +24,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 
 # ----------------------------------------------------------------------------- advantages
 
-def _advantages_and_stats(rewards: Tensor, group_ids: Tensor, scale_by_std: bool, eps: float):
-    """Group-normalised advantages plus global reward statistics (all in float64)."""
+def group_advantages(rewards: Tensor, group_ids: Tensor, scale_by_std: bool = True,
+                     eps: float = 1e-6) -> tuple[Tensor, dict]:
+    """One advantage per episode, normalised within its group (the episodes sharing a group id),
+    and the batch's reward statistics.
+
+    rewards: float [N]; group_ids: long [N] (any ints, need not be contiguous or sorted).
+    Returns [N] (float64 inside). Size-1 groups and groups with all-equal rewards get exactly 0.
+    A group's episodes are all played on one rank, so no statistic needs another rank's episodes.
+    """
     r = rewards.detach().to(torch.float64)
     _, g = torch.unique(group_ids, return_inverse=True)  # arbitrary ids -> 0..G-1
     G = int(g.max()) + 1 if g.numel() else 0
@@ -63,63 +69,12 @@ def _advantages_and_stats(rewards: Tensor, group_ids: Tensor, scale_by_std: bool
 
     stats = {
         "reward_mean": r.mean().item() if r.numel() else 0.0,
-        "reward_std": r.std().item() if r.numel() > 1 else 0.0,  # unbiased, over all episodes
+        "reward_std": r.std().item() if r.numel() > 1 else 0.0,  # unbiased, over this rank's episodes
         "zero_variance_group_frac": constant.double().mean().item() if G else 0.0,
         "num_groups": float(G),
     }
     out_dtype = rewards.dtype if rewards.is_floating_point() else torch.float32
     return adv.to(out_dtype), stats
-
-
-def group_advantages(rewards: Tensor, group_ids: Tensor, scale_by_std: bool = True,
-                     eps: float = 1e-6) -> Tensor:
-    """One advantage per episode, normalised within its group (episodes sharing a group id).
-
-    rewards: float [N]; group_ids: long [N] (any ints, need not be contiguous or sorted).
-    Returns [N]. Size-1 groups and groups with all-equal rewards get exactly 0.
-    """
-    return _advantages_and_stats(rewards, group_ids, scale_by_std, eps)[0]
-
-
-def gather_group_advantages(local_rewards: Tensor, local_group_ids: Tensor, scale_by_std: bool = True,
-                            eps: float = 1e-6) -> tuple[Tensor, dict]:
-    """Advantages for this rank's episodes, with group statistics taken over ALL ranks.
-
-    A group's members may be spread over ranks, each holding a different number of
-    episodes. We all_gather every rank's (reward, group_id) pairs -- sizes first, then
-    padded tensors -- compute on the concatenation (rank 0's episodes first, then rank 1's,
-    ...), and return this rank's slice. Without an initialised process group (or with
-    world_size 1) it is the local computation. Stats are global python floats:
-    reward_mean, reward_std, zero_variance_group_frac, num_groups.
-    """
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return _advantages_and_stats(local_rewards, local_group_ids, scale_by_std, eps)
-
-    # The tensors stay where they are: the trainer's process group carries CPU tensors over gloo
-    # and CUDA ones over NCCL (distributed.py), so a CPU reward vector needs no trip to the GPU.
-    device = local_rewards.device
-    world, rank = dist.get_world_size(), dist.get_rank()
-
-    n = torch.tensor([local_rewards.numel()], dtype=torch.int64, device=device)
-    sizes = [torch.zeros_like(n) for _ in range(world)]
-    dist.all_gather(sizes, n)
-    sizes = [int(s) for s in sizes]
-    max_n = max(sizes)
-
-    def gather_padded(x: Tensor, dtype: torch.dtype) -> Tensor:
-        buf = torch.zeros(max_n, dtype=dtype, device=device)
-        buf[: x.numel()] = x.detach().reshape(-1).to(device=device, dtype=dtype)
-        parts = [torch.empty_like(buf) for _ in range(world)]
-        dist.all_gather(parts, buf)
-        return torch.cat([p[:s] for p, s in zip(parts, sizes)])
-
-    all_rewards = gather_padded(local_rewards, torch.float64)
-    all_ids = gather_padded(local_group_ids, torch.int64)
-    adv, stats = _advantages_and_stats(all_rewards, all_ids, scale_by_std, eps)
-    start = sum(sizes[:rank])
-    local = adv[start : start + sizes[rank]]
-    out_dtype = local_rewards.dtype if local_rewards.is_floating_point() else torch.float32
-    return local.to(device=local_rewards.device, dtype=out_dtype), stats
 
 
 # ----------------------------------------------------------------------------- step-level advantages
@@ -150,7 +105,7 @@ def step_advantages(returns: Tensor, anchor_ids: Tensor, scale_by_std: bool = Tr
 
     returns: float [N turns]; anchor_ids: long [N], equal for turns from the same state.
     """
-    return _advantages_and_stats(returns, anchor_ids, scale_by_std, eps)[0]
+    return group_advantages(returns, anchor_ids, scale_by_std, eps)[0]
 
 
 def turn_values(episode_advantage: float, step_advantages: list[float], weight: float) -> list[float]:
@@ -203,7 +158,7 @@ def episode_experiences(episodes: list, *, gamma: float, step_adv_weight: float,
     """This rank's finished episodes -> one Experience per training sequence, and the step's stats.
 
     1. The episode advantage A^E_i: the strict reward R_i (1 for stopping on the goal, else 0)
-       normalised within its group, over the episodes of ALL ranks (a collective).
+       normalised within its group (a group's episodes are all on this rank).
     2. The step-level advantage A^S_t (GiGPO): each turn's discounted return
        G_t = gamma^(T-1-t) * R_i normalised within its anchor group, the turns taken from the same
        cell of the same maze. A group's episodes are all played on one rank, so anchor groups
@@ -211,8 +166,8 @@ def episode_experiences(episodes: list, *, gamma: float, step_adv_weight: float,
     3. Every token of reply t carries A_t = A^E_i + w * A^S_t (turn_values, spread_over_replies).
     """
     rewards = torch.tensor([float(e.reward) for e in episodes])
-    episode_adv, stats = gather_group_advantages(rewards, torch.tensor([e.group_id for e in episodes]),
-                                                 scale_by_std=scale_by_std)
+    episode_adv, stats = group_advantages(rewards, torch.tensor([e.group_id for e in episodes]),
+                                          scale_by_std=scale_by_std)
     returns, anchors = [], []
     for e in episodes:
         returns += discounted_returns([0.0] * (e.num_turns - 1) + [e.reward], gamma)

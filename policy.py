@@ -13,8 +13,6 @@ adapter (a few MB for the tiny model, 175 MB in bf16 for rank 32 on Qwen3-VL-8B)
 the inference engines after each update.
 """
 
-import functools
-import inspect
 import os
 from pathlib import Path
 
@@ -214,7 +212,7 @@ class Batch:
         self._pixels = {}  # digest -> (pixel_values, grid_thw)
         self._features = {}  # digest -> (embeds, [deepstack embeds])
         frozen = model is not None and not any(p.requires_grad for p in qwen3_vl_model(model).visual.parameters())
-        self.model = model if frozen and takes_encoder_outputs() else None
+        self.model = model if frozen else None
 
     def length(self, i: int) -> int:
         return len(self.sequences[i].token_ids)
@@ -278,14 +276,6 @@ class Batch:
                 pooler_output=tuple(f[0] for f in features),
                 deepstack_features=[tuple(f[1][level] for f in features) for level in range(depth)])}
         return inputs, mask[:, 1:].to(device), rollout_lp[:, 1:].to(device)
-
-
-@functools.cache
-def takes_encoder_outputs() -> bool:
-    """Whether this transformers' Qwen3-VL takes precomputed image features (5.19 does, 5.17 not)."""
-    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLModel
-
-    return "mm_encoder_outputs" in inspect.signature(Qwen3VLModel.forward).parameters
 
 
 def sequence_logprobs(model, inputs: dict, temperature: float = 1.0, banned_token_ids=()) -> torch.Tensor:

@@ -158,13 +158,14 @@ def sync(model, engine, shared: Path, step: int, cfg: Config, base: dict):
 
 
 def step_metrics(metrics: dict, timing: dict, hours: float, on_gpu: bool) -> dict:
-    """The step's line: means over ranks, except the generated tokens and their rate (totals)."""
+    """The step's line: means over ranks, except the generated tokens, their rate and the groups
+    (totals; each rank holds the same number of each)."""
     metrics = {**metrics, **timing, "tokens_per_s": metrics["generated_tokens"] / max(timing["rollout_s"], 1e-9),
                ("gpu_hours" if on_gpu else "process_hours"): hours}
     metrics = distributed.mean_over_ranks(metrics)
     world = dist.get_world_size()
     return {**metrics, "generated_tokens": metrics["generated_tokens"] * world,
-            "tokens_per_s": metrics["tokens_per_s"] * world}
+            "tokens_per_s": metrics["tokens_per_s"] * world, "num_groups": metrics["num_groups"] * world}
 
 
 def main(cfg: Config):

@@ -23,13 +23,13 @@ def _train_in_process(argv: list, negate: bool, results):
     import grpo
 
     if negate:
-        gather = grpo.gather_group_advantages
+        normalised = grpo.group_advantages
 
         def flipped(*args, **kwargs):
-            advantages, stats = gather(*args, **kwargs)
+            advantages, stats = normalised(*args, **kwargs)
             return -advantages, stats
 
-        grpo.gather_group_advantages = flipped
+        grpo.group_advantages = flipped
     train.main(train.parse_config(argv))
     results.put("done")
 

@@ -252,9 +252,9 @@ def test_single_pass_update_that_skips_zero_advantages_has_the_full_gradient(tin
 
 @pytest.mark.slow
 def test_two_ranks_match_one_rank(tmp_path, tiny_model):
-    """One GRPO update on a fixed batch of 8 episodes: split over two ranks (each holding half of
-    every group, so the advantages need the other rank's rewards) it gives the same gradient as
-    one rank holding all 8. Loss normalisation, advantage gathering and FSDP's averaging together;
+    """One GRPO update on a fixed batch of 8 episodes: split over two ranks (each holding two whole
+    groups of unequal lengths, as a rank plays every member of its groups) it gives the same
+    gradient as one rank holding all 8. Loss normalisation over all ranks' tokens and FSDP's averaging together;
     and the model build: only rank 0 reads the checkpoint, rank 1 gets its shard (and the LoRA
     init) from rank 0, and the gradients still agree."""
     worker = ROOT / "tests" / "update_worker.py"

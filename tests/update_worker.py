@@ -4,7 +4,8 @@
     python -m torch.distributed.run --standalone --nproc-per-node 2 tests/update_worker.py <model dir> <out.pt>
 
 Eight episodes in four groups of two (demonstrations of four training mazes, with detours, and
-made-up rewards); with two ranks each rank holds one member of every group, rank 1 the longer one. The update runs
+made-up rewards); with two ranks each rank holds two whole groups (as in training, where a rank
+plays all of a group's members), rank 1 the longer ones. The update runs
 through update.grpo_update exactly as in training; the gradient it hands the optimizer is saved.
 """
 
@@ -63,7 +64,7 @@ def main(model_dir: str, out: str):
     for i in range(8):  # episode i: group i // 2, member i % 2
         maze = mazes[i // 2]
         e = rollout.Episode(maze=maze, group_id=i // 2, sample_id=i)
-        # lengths that differ between the ranks' halves (rank 0 gets the even episodes), so that
+        # lengths that differ between the ranks' halves (rank 0 gets groups 0 and 1), so that
         # normalising by a rank's own token count instead of the global one changes the gradient
         settings = visgym.EnvSettings(max_turns=4 + 2 * (i % 2) + i // 2, cell_px=env.CELL_PX_TINY)
         e.sequences = sft.demonstration(maze, chat, reply_ids, random.Random(i), settings, max_images=None, noise=0.5)
@@ -75,9 +76,9 @@ def main(model_dir: str, out: str):
                    for _ in range(grpo.reply_count(e.sequences[0].response_mask))]
         e.reward = rewards[i]
         episodes.append(e)
-    mine = [e for i, e in enumerate(episodes) if i % world == rank]  # one member of each group per rank
-    advantages, _ = grpo.gather_group_advantages(torch.tensor([e.reward for e in mine]),  # reported below
-                                                 torch.tensor([e.group_id for e in mine]))
+    mine = [e for e in episodes if e.group_id // (4 // world) == rank]  # whole groups per rank
+    advantages, _ = grpo.group_advantages(torch.tensor([e.reward for e in mine]),  # reported below
+                                          torch.tensor([e.group_id for e in mine]))
     experiences, _ = grpo.episode_experiences(mine, gamma=cfg.gamma, step_adv_weight=cfg.step_adv_weight,
                                               scale_by_std=cfg.scale_adv_by_std)
     batch = policy.Batch([x.sequence for x in experiences], chat.processor, model)
