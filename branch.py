@@ -97,9 +97,9 @@ def choose_points(episodes: list, per_group: int) -> list[tuple[int, int]]:
             e = episodes[i]
             stopped_off_goal = e.end_reason == "stop" and not e.solved
             for t, turn in enumerate(e.played):
-                if not (is_fork(e.maze, turn.state) or (stopped_off_goal and t == e.num_turns - 1)):
+                if not (is_fork(e.maze, turn.cell) or (stopped_off_goal and t == e.num_turns - 1)):
                     continue
-                seen = cells.setdefault(turn.state, [(t, i), set(), False])
+                seen = cells.setdefault(turn.cell, [(t, i), set(), False])
                 seen[0] = min(seen[0], (t, i))
                 seen[1].add(turn.reply)
                 seen[2] |= not e.solved
@@ -112,25 +112,22 @@ def play_branches(cfg, engine, chat: rollout.ChatFormat, episodes: list, points:
                   progress: bool = False) -> list[BranchPoint]:
     """Every branch of every point, played to the end in one batched turn loop (rollout.play_turns)."""
     reply_ids, _ = sft.reply_tokens(chat)
-    max_images = cfg.max_images or None
     max_turns, env_settings = cfg.max_turns, visgym.EnvSettings.of(cfg)
     found, branches, games, forced = [], [], [], []
     for i, t in points:
         parent = episodes[i]
-        fork = parent.turns[t].state
+        fork = parent.turns[t].cell
         moves = branch_moves(parent.maze, fork)
         for m, move in enumerate(moves):
-            branch = parent.prefix(t, (parent.sample_id * max_turns + t) * len(env.ACTION_STRINGS) + m, max_images)
+            branch = parent.prefix(t, (parent.sample_id * max_turns + t) * len(env.ACTION_STRINGS) + m)
             game = env_settings.make(parent.maze)
-            game.restore(fork, t, parent.cells_left(t))
+            game.restore(fork, t, parent.cells_vacated(t))
             branches.append(branch)
             games.append(game)
             forced.append([reply_ids[move]])
         found.append(BranchPoint(i, t, moves, [], [], None))
-    rollout.play_turns(engine, chat, branches, games, forced, max_new_tokens=cfg.max_new_tokens,
-                       max_model_len=cfg.max_model_len, temperature=cfg.temperature,
-                       seed=cfg.seed + BRANCH_SEED_OFFSET, lora_request=lora_request, max_images=max_images,
-                       desc="branches", progress=progress)
+    rollout.play_turns(engine, chat, branches, games, forced, rollout.Sampling.of(cfg, seed=cfg.seed + BRANCH_SEED_OFFSET),
+                       lora_request=lora_request, desc="branches", progress=progress)
     played = iter(branches)
     for point in found:
         point.branches = [next(played) for _ in point.moves]
@@ -139,17 +136,11 @@ def play_branches(cfg, engine, chat: rollout.ChatFormat, episodes: list, points:
     return found
 
 
-def target_sequence(branch: rollout.Episode, turn: int, max_images: int | None) -> rollout.Sequence:
-    """The branch's training sequence cut right after its forced reply (reply `turn`), with only
-    that reply trained: the fork state as the parent saw it, and the best move as its answer."""
-    if max_images is not None:
-        seq = branch.sequences[turn]  # one sequence per turn: that turn's prompt and reply
-        return rollout.Sequence(list(seq.token_ids), list(seq.response_mask), list(seq.rollout_logprobs), seq.images)
-    seq = branch.sequences[0]
-    start, end = rollout.reply_spans(seq.response_mask)[turn]
-    mask = [0] * start + [1] * (end - start)
-    return rollout.Sequence(seq.token_ids[:end], mask, seq.rollout_logprobs[:end],
-                            [t.image for t in branch.turns[:turn + 1]])
+def target_sequence(branch: rollout.Episode, turn: int, chat: rollout.ChatFormat,
+                    max_images: int | None) -> rollout.Sequence:
+    """The branch's training sequence through its forced reply (reply `turn`), with only that
+    reply trained: the fork state as the parent saw it, and the best move as its answer."""
+    return rollout.training_sequences(branch, chat, max_images, trained={turn}, through=turn)[-1]
 
 
 def branch_step(cfg, engine, chat: rollout.ChatFormat, episodes: list, lora_request=None,
@@ -167,7 +158,7 @@ def branch_step(cfg, engine, chat: rollout.ChatFormat, episodes: list, lora_requ
     for p in points:
         if p.best is None:
             continue
-        seq = target_sequence(p.branches[p.best], p.turn, max_images)
+        seq = target_sequence(p.branches[p.best], p.turn, chat, max_images)
         experiences.append(grpo.Experience(seq, grpo.branch_target_advantages(seq.response_mask, cfg.branch_weight),
                                              p.parent))
     played = [b for p in points for b in p.branches]
@@ -177,7 +168,7 @@ def branch_step(cfg, engine, chat: rollout.ChatFormat, episodes: list, lora_requ
         "branch_targets": len(targets),
         # the share of targets the maze's solver agrees with: a target comes from one continuation
         # per move, so the worse move can look better once; this says how often it did
-        "branch_targets_optimal_frac": (sum(is_optimal(episodes[p.parent].maze, episodes[p.parent].turns[p.turn].state,
+        "branch_targets_optimal_frac": (sum(is_optimal(episodes[p.parent].maze, episodes[p.parent].turns[p.turn].cell,
                                                        p.moves[p.best]) for p in targets) / len(targets)
                                         if targets else 1.0),
         "branch_episodes": len(played),

@@ -366,22 +366,22 @@ class MazeEnv:
 
     def reset(self) -> Observation:
         self.agent = self.maze.start
-        self.left = set()  # cells the agent has moved off (VisGym's canvas keeps a mark there)
+        self.vacated = set()  # cells the agent has moved off (VisGym's canvas keeps a mark there)
         self.turn = 0  # actions taken so far
         self.done = False
         self.solved = False
         self.end_reason = None  # "stop" or "turn_limit" once done
         return self._observe(reward=0.0, valid=True, feedback="")
 
-    def restore(self, agent, turn: int, left=()) -> Observation:
+    def restore(self, agent, turn: int, vacated=()) -> Observation:
         """Put the episode back into a state it passed through: the agent on `agent` after `turn`
-        actions, having moved off the cells `left` (VisGym's canvas marks them). The next step
+        actions, having moved off the cells `vacated` (VisGym's canvas marks them). The next step
         then plays exactly as it did from that state (branch.py replays forks this way); the
         observation is the state's picture (its text carries no feedback)."""
         if not self.maze.is_open(agent) or not 0 <= turn < self.max_turns:
             raise ValueError(f"cannot restore to cell {agent} after {turn} turns: not an open cell, "
                              f"or not a turn before the limit {self.max_turns}")
-        self.agent, self.turn, self.left = tuple(agent), turn, set(left)
+        self.agent, self.turn, self.vacated = tuple(agent), turn, set(vacated)
         self.done, self.solved, self.end_reason = False, False, None
         return self._observe(reward=0.0, valid=True, feedback="")
 
@@ -403,7 +403,7 @@ class MazeEnv:
             dr, dc = MOVE_DELTAS[action[1]]
             target = (self.agent[0] + dr, self.agent[1] + dc)
             if self.maze.is_open(target):
-                self.left.add(self.agent)
+                self.vacated.add(self.agent)
                 self.agent = target
                 feedback = self.feedback(f"moved:{action[1]}", feedback)
             else:

@@ -171,7 +171,7 @@ def episode_experiences(episodes: list, *, gamma: float, step_adv_weight: float,
     returns, anchors = [], []
     for e in episodes:
         returns += discounted_returns([0.0] * (e.num_turns - 1) + [e.reward], gamma)
-        anchors += [(e.group_id * e.maze.size + r) * e.maze.size + c for r, c in (t.state for t in e.played)]
+        anchors += [(e.group_id * e.maze.size + r) * e.maze.size + c for r, c in (t.cell for t in e.played)]
     step_adv = torch.zeros(len(returns), dtype=torch.float64)
     if step_adv_weight > 0 and returns:
         step_adv = step_advantages(torch.tensor(returns, dtype=torch.float64), torch.tensor(anchors),

@@ -99,9 +99,9 @@ class ChatFormat:
             self._next_turn[key] = self._ids(after_reply)
         return list(self._next_turn[key])
 
-    def open_turn(self, text: str, image, state, after_reply: list[int] | None = None,
+    def open_turn(self, text: str, image, cell, after_reply: list[int] | None = None,
                   text_only: bool = False) -> "Turn":
-        """The turn that shows `text` and `image` (the agent at `state`): the first one, or the one
+        """The turn that shows `text` and `image` (the agent at `cell`): the first one, or the one
         after the reply `after_reply`. With `text_only` it is also rendered without its image (what
         is sent once the turn is older than max_images)."""
         if after_reply is None:
@@ -109,7 +109,7 @@ class ChatFormat:
         else:
             ids = self.next_turn(text, after_reply)
             text_ids = self.next_turn(text, after_reply, with_image=False) if text_only else []
-        return Turn(text=text, image=image, state=state, prompt_ids=ids, prompt_ids_text_only=text_ids)
+        return Turn(text=text, image=image, cell=cell, prompt_ids=ids, prompt_ids_text_only=text_ids)
 
     def expand(self, ids: list[int], images: list) -> list[int]:
         """What vLLM and the HF processor do to a prompt: one <|image_pad|> -> one per patch."""
@@ -134,10 +134,11 @@ class ChatFormat:
 
 @dataclass
 class Sequence:
-    """One training sequence, exactly as the engine saw it (images expanded)."""
+    """One training sequence, exactly as the engine saw it (images expanded); built from an
+    episode's turns after play (training_sequences)."""
     token_ids: list
-    response_mask: list  # 1 on generated tokens
-    rollout_logprobs: list  # vLLM's sampling logprob of each generated token, 0 elsewhere, NaN if forced
+    response_mask: list  # 1 on the reply tokens that are trained
+    rollout_logprobs: list  # the engine's sampling log-prob of each reply token (NaN: forced), 0 on prompts
     images: list  # the images whose tokens appear in token_ids, in order
 
 
@@ -151,7 +152,7 @@ class Turn:
     stays unanswered if the episode ended without asking for it (context limit)."""
     text: str  # what the env said: the first turn's task and view, then its feedback on each move
     image: object  # the state the agent was shown
-    state: tuple  # the agent's cell then
+    cell: tuple  # the agent's cell then
     prompt_ids: list = None  # the user turn's token ids, unexpanded (None in chat evaluations: the server tokenises)
     prompt_ids_text_only: list = None  # the same turn without its image (rendered only when max_images is set)
     reply_ids: list = None  # the reply's token ids, exactly as generated or forced; None until answered
@@ -167,19 +168,21 @@ class Turn:
 
 @dataclass
 class Episode:
+    """One play of one maze: its turns (the whole conversation, once), how it ended, and the
+    training sequences built from the turns when it ended (training_sequences)."""
     maze: env.Maze
     group_id: int  # members of a GRPO group play the same maze and share this id
     sample_id: int  # globally unique, seeds this episode's sampling
     turns: list = field(default_factory=list)  # Turn records, in order
     end_cell: tuple = None  # the agent's cell after the last reply
-    sequences: list = field(default_factory=list)  # what the trainer trains on
+    sequences: list = field(default_factory=list)  # what the trainer trains on: set once the episode ends
     reward: float = 0.0
     solved: bool = False
     invalid_actions: int = 0
     wall_bumps: int = 0  # moves into a wall (the agent stays put, the turn is spent)
     truncated_replies: int = 0  # replies cut by the per-turn token limit
     end_reason: str = ""  # stop | turn_limit | context_limit
-    done: bool = False
+    ended: bool = False
 
     @property
     def played(self) -> list:
@@ -199,47 +202,84 @@ class Episode:
     def num_generated_tokens(self) -> int:  # 0 for a chat evaluation's turns (text only)
         return sum(len(t.reply_ids or ()) for t in self.played)
 
-    def prefix(self, turn: int, sample_id: int, max_images: int | None) -> "Episode":
+    def prefix(self, turn: int, sample_id: int) -> "Episode":
         """This episode as it stood when its reply `turn` was asked for: turns 0..turn-1 as played,
-        turn `turn` unanswered, their training tokens (the full-history sequence cut right after
-        reply turn - 1, or the first `turn` per-turn sequences), under a new sample id. The played
-        turns are shared with this episode (nothing changes an answered turn); turn `turn` is a
-        new record. Its counters (invalid actions, bumps, truncations) count only what is played
-        from here on."""
+        turn `turn` unanswered, under a new sample id. The played turns are shared with this
+        episode (nothing changes an answered turn); turn `turn` is a new record. Its counters
+        (invalid actions, bumps, truncations) count only what is played from here on."""
         if not 0 <= turn < self.num_turns:
             raise ValueError(f"turn {turn}: the episode played turns 0..{self.num_turns - 1}")
-        if max_images is None:
-            sequences = []
-            if turn:
-                seq, cut = self.sequences[0], reply_spans(self.sequences[0].response_mask)[turn - 1][1]
-                sequences = [Sequence(seq.token_ids[:cut], seq.response_mask[:cut], seq.rollout_logprobs[:cut],
-                                      [t.image for t in self.turns[:turn]])]
-        else:
-            sequences = list(self.sequences[:turn])
         asked = replace(self.turns[turn], reply_ids=None, reply_logprobs=None, reply=None)
-        return Episode(maze=self.maze, group_id=self.group_id, sample_id=sample_id,
-                       turns=[*self.turns[:turn], asked], sequences=sequences)
+        return Episode(maze=self.maze, group_id=self.group_id, sample_id=sample_id, turns=[*self.turns[:turn], asked])
 
-    def cells_left(self, turn: int) -> set:
-        """The cells the agent had moved off before reply `turn` (env.MazeEnv.left then)."""
-        cells = [t.state for t in self.turns[:turn + 1]]
+    def record_step(self, game, obs) -> bool:
+        """Record what the env did with the last reply (both turn loops); True if that ended the
+        episode (its reward, solved and end reason are then the env's)."""
+        self.end_cell = game.agent
+        self.invalid_actions += not obs.valid
+        self.wall_bumps += obs.bumped
+        if game.done:
+            self.ended, self.reward, self.solved, self.end_reason = True, obs.reward, game.solved, game.end_reason
+        return game.done
+
+    def cells_vacated(self, turn: int) -> set:
+        """The cells the agent had moved off before reply `turn` (env.MazeEnv.vacated then)."""
+        cells = [t.cell for t in self.turns[:turn + 1]]
         if turn >= len(self.turns):
             cells.append(self.end_cell)
         return {a for a, b in zip(cells, cells[1:]) if a != b}
 
     def next_prompt(self, max_images: int | None) -> tuple[list, list]:
         """The engine input for the next reply: all turns so far, images only for the last k."""
-        first_with_image = len(self.turns) - max_images if max_images else 0
+        ids, images = self.prompt(len(self.turns) - 1, max_images)
+        last = self.turns[-1]
+        return (ids + last.reply_ids if last.answered else ids), images
+
+    def prompt(self, turn: int, max_images: int | None) -> tuple[list, list]:
+        """The engine input that asked for reply `turn` (unexpanded ids, and the images it holds):
+        turns 0..turn with the replies before it, images only in the last k of them."""
+        first_with_image = turn + 1 - max_images if max_images else 0
         ids, images = [], []
-        for t, turn in enumerate(self.turns):
+        for t, this in enumerate(self.turns[:turn + 1]):
             if t >= first_with_image:
-                ids += turn.prompt_ids
-                images.append(turn.image)
+                ids += this.prompt_ids
+                images.append(this.image)
             else:
-                ids += turn.prompt_ids_text_only
-            if turn.answered:
-                ids += turn.reply_ids
+                ids += this.prompt_ids_text_only
+            if t < turn:
+                ids += this.reply_ids
         return ids, images
+
+
+def training_sequences(episode: Episode, chat: ChatFormat, max_images: int | None, trained=None,
+                       through: int | None = None) -> list[Sequence]:
+    """An episode's training tokens, built from its turns once it is played; the one place that
+    lays out a training sequence, for rollouts, branch targets and SFT demonstrations alike.
+
+    Full history (`max_images` None): every prompt extends the previous one token for token, so
+    the episode is ONE sequence, each turn's prompt (images expanded) then its reply. With
+    `max_images=k`, earlier prompts are not prefixes of later ones (older turns lose their
+    image), so each turn is its own sequence: its prompt as sent (Episode.prompt) plus its reply.
+    The replies of the turns in `trained` (default: every played turn) get response mask 1, and
+    per-turn sequences with nothing trained are left out; `through`: only the turns up to that
+    one. Reply tokens carry the engine's sampling log-probs (NaN: forced), prompt tokens 0."""
+    played = episode.played[:None if through is None else through + 1]
+    trained = set(range(len(played))) if trained is None else set(trained)
+    if max_images is None:
+        ids, mask, logprobs = [], [], []
+        for t, turn in enumerate(played):
+            prompt = chat.expand(turn.prompt_ids, [turn.image])
+            ids += prompt + turn.reply_ids
+            mask += [0] * len(prompt) + [int(t in trained)] * len(turn.reply_ids)
+            logprobs += [0.0] * len(prompt) + list(turn.reply_logprobs)
+        return [Sequence(ids, mask, logprobs, [turn.image for turn in played])] if played else []
+    sequences = []
+    for t in sorted(trained & set(range(len(played)))):
+        ids, images = episode.prompt(t, max_images)
+        prompt, reply = chat.expand(ids, images), played[t]
+        sequences.append(Sequence(prompt + reply.reply_ids, [0] * len(prompt) + [1] * len(reply.reply_ids),
+                                  [0.0] * len(prompt) + list(reply.reply_logprobs), images))
+    return sequences
 
 
 def request_seed(run_seed: int, sample_id: int, turn: int) -> int:
@@ -250,41 +290,48 @@ def request_seed(run_seed: int, sample_id: int, turn: int) -> int:
     return (run_seed * 1_000_003 + sample_id * 1_009 + turn) % (2**31 - 1)
 
 
-def play_episodes(engine, chat: ChatFormat, mazes: list, group_ids: list, env_settings: visgym.EnvSettings, *,
-                  samples_per_maze: int, max_new_tokens: int, max_model_len: int, temperature: float,
-                  seed: int, lora_request=None, max_images: int | None = None, min_new_tokens: int = 0,
-                  desc: str = "rollout", progress: bool = True) -> list:
+@dataclass(frozen=True)
+class Sampling:
+    """How the engine is asked for every reply of a batch of episodes, as one record beside
+    visgym.EnvSettings (how the episodes are played). Each reply's seed is request_seed(seed, its
+    episode's sample id, its turn). With `max_images=k` only the last k user turns keep their
+    image (training_sequences then makes one sequence per turn). `min_new_tokens` forbids ending
+    a reply earlier (benchmarks set it to `max_new_tokens`: every reply the same length)."""
+    temperature: float  # 0: greedy (no log-probs asked for)
+    seed: int
+    max_new_tokens: int
+    max_model_len: int  # an episode whose next prompt and reply would not fit ends ("context_limit")
+    max_images: int | None = None  # None: every turn keeps its image (full history)
+    min_new_tokens: int = 0
+
+    @classmethod
+    def of(cls, cfg, **changes) -> "Sampling":
+        """A run's (from its Config), with `changes` (another temperature or seed)."""
+        return replace(cls(temperature=cfg.temperature, seed=cfg.seed, max_new_tokens=cfg.max_new_tokens,
+                           max_model_len=cfg.max_model_len, max_images=cfg.max_images or None), **changes)
+
+
+def play_episodes(engine, chat: ChatFormat, mazes: list, group_ids: list, env_settings: visgym.EnvSettings,
+                  sampling: Sampling, *, samples_per_maze: int, lora_request=None, desc: str = "rollout",
+                  progress: bool = True) -> list:
     """Play every maze `samples_per_maze` times to the end, in envs made by `env_settings`; return the
-    finished episodes.
-
-    `group_ids` must be unique across the whole run (and across ranks): with the member index
-    they give each episode the id that seeds its sampling.
-
-    Full history (`max_images=None`): every prompt extends the previous one, so an episode is ONE
-    training sequence with every reply masked in. With `max_images=k` only the last k user turns
-    keep their image (older turns keep their text); earlier prompts then are no longer prefixes
-    of later ones, so every turn becomes its own sequence: its prompt as sent plus its reply.
-
-    `min_new_tokens` forbids ending a reply earlier (benchmarks set it to `max_new_tokens`, so
-    that every reply has the same length whatever the model).
-    """
+    finished episodes. `group_ids` must be unique across the whole run (and across ranks): with the
+    member index they give each episode the id that seeds its sampling."""
     episodes, games = [], []
     for maze, group_id in zip(mazes, group_ids):
         for member in range(samples_per_maze):
-            maze_env = env_settings.make(maze)
-            obs = maze_env.reset()
-            first = chat.open_turn(maze_env.first_text(obs), obs.image, maze_env.agent, text_only=bool(max_images))
+            game = env_settings.make(maze)
+            obs = game.reset()
+            first = chat.open_turn(game.first_text(obs), obs.image, game.agent, text_only=bool(sampling.max_images))
             episodes.append(Episode(maze=maze, group_id=group_id, sample_id=group_id * samples_per_maze + member,
                                     turns=[first]))
-            games.append(maze_env)
-    return play_turns(engine, chat, episodes, games, [[] for _ in episodes], max_new_tokens=max_new_tokens,
-                      max_model_len=max_model_len, temperature=temperature, seed=seed, lora_request=lora_request,
-                      max_images=max_images, min_new_tokens=min_new_tokens, desc=desc, progress=progress)
+            games.append(game)
+    return play_turns(engine, chat, episodes, games, [[] for _ in episodes], sampling, lora_request=lora_request,
+                      desc=desc, progress=progress)
 
 
-def play_turns(engine, chat: ChatFormat, episodes: list, games: list, forced: list, *, max_new_tokens: int,
-               max_model_len: int, temperature: float, seed: int, lora_request=None, max_images: int | None = None,
-               min_new_tokens: int = 0, desc: str = "rollout", progress: bool = True) -> list:
+def play_turns(engine, chat: ChatFormat, episodes: list, games: list, forced: list, sampling: Sampling, *,
+               lora_request=None, desc: str = "rollout", progress: bool = True) -> list:
     """The turn loop: play `episodes` on their `games` from wherever they stand to the end.
 
     Each episode waits for its next reply (a fresh one from `play_episodes`, or a copy of another
@@ -294,6 +341,7 @@ def play_turns(engine, chat: ChatFormat, episodes: list, games: list, forced: li
     samples. Forced tokens are trained like generated ones (response mask 1), but the engine never
     sampled them, so their rollout log-prob is NaN, "none": TIS and the mismatch meter leave them
     out (grpo.sampled_mask). Each reply's seed is request_seed(seed, sample_id, its turn index).
+    Once all have ended, each episode's training sequences are built from its turns.
     """
     from vllm import SamplingParams
 
@@ -304,17 +352,19 @@ def play_turns(engine, chat: ChatFormat, episodes: list, games: list, forced: li
     no_vision_tokens = sampling_logit_bias(chat.banned_token_ids)
     forced = [list(replies) for replies in forced]  # consumed below; the caller's lists stay as they are
 
+    max_images = sampling.max_images
+
     def sampling_params(episode: Episode, turn: int):
         # detokenize=False: the engine returns token ids only; we decode each reply once, below
-        if temperature == 0.0:
-            return SamplingParams(temperature=0.0, max_tokens=max_new_tokens, min_tokens=min_new_tokens,
-                                  logit_bias=no_vision_tokens, detokenize=False)
-        return SamplingParams(temperature=temperature, max_tokens=max_new_tokens, min_tokens=min_new_tokens,
-                              logprobs=0, seed=request_seed(seed, episode.sample_id, turn),
-                              logit_bias=no_vision_tokens, detokenize=False)
+        common = dict(max_tokens=sampling.max_new_tokens, min_tokens=sampling.min_new_tokens,
+                      logit_bias=no_vision_tokens, detokenize=False)
+        if sampling.temperature == 0.0:
+            return SamplingParams(temperature=0.0, **common)
+        return SamplingParams(temperature=sampling.temperature, logprobs=0,
+                              seed=request_seed(sampling.seed, episode.sample_id, turn), **common)
 
     bar = tqdm(total=len(episodes), desc=desc, unit="ep", disable=not progress, leave=False)
-    while active := [i for i, e in enumerate(episodes) if not e.done]:
+    while active := [i for i, e in enumerate(episodes) if not e.ended]:
         prompts = {}
         for i in active:
             ids, images = episodes[i].next_prompt(max_images)
@@ -328,54 +378,32 @@ def play_turns(engine, chat: ChatFormat, episodes: list, games: list, forced: li
                    for i in active}
         texts = dict(zip(active, decode_replies(chat.tokenizer, [replies[i] for i in active])))
         for i in active:
-            episode, game, prompt, reply_ids = episodes[i], games[i], prompts[i], replies[i]
-            images = prompt["multi_modal_data"]["image"]
+            episode, game, reply_ids = episodes[i], games[i], replies[i]
+            reply_logprobs = [NO_LOGPROB] * len(reply_ids)  # a forced reply: the engine sampled none
             if i in outputs:
-                out = outputs[i]
-                completion = out.outputs[0]
-                expanded_prompt = list(out.prompt_token_ids)  # vLLM expanded the image placeholders
-                assert expanded_prompt == chat.expand(prompt["prompt_token_ids"], images), "expansion differs"
-                if completion.logprobs is not None:
-                    reply_logprobs = [lp[t].logprob for lp, t in zip(completion.logprobs, reply_ids)]
-                else:  # greedy play does not ask for logprobs
-                    reply_logprobs = [0.0] * len(reply_ids)
+                completion = outputs[i].outputs[0]
+                # vLLM expands the image placeholders exactly as training_sequences does
+                assert list(outputs[i].prompt_token_ids) == chat.expand(
+                    prompts[i]["prompt_token_ids"], prompts[i]["multi_modal_data"]["image"]), "expansion differs"
+                reply_logprobs = ([lp[t].logprob for lp, t in zip(completion.logprobs, reply_ids)]
+                                  if completion.logprobs is not None else [0.0] * len(reply_ids))  # greedy: none asked
                 episode.truncated_replies += completion.finish_reason == "length"
-            else:  # a forced reply: no engine call, no sampling log-prob
-                expanded_prompt = chat.expand(prompt["prompt_token_ids"], images)
-                reply_logprobs = [NO_LOGPROB] * len(reply_ids)
-            if max_images is None and episode.sequences:
-                # full history: the engine's prompt extends our sequence token for token
-                seq = episode.sequences[0]
-                assert expanded_prompt[:len(seq.token_ids)] == seq.token_ids, "token drift"
-                new = len(expanded_prompt) - len(seq.token_ids)
-                seq.token_ids = expanded_prompt + reply_ids
-                seq.response_mask += [0] * new + [1] * len(reply_ids)
-                seq.rollout_logprobs += [0.0] * new + reply_logprobs
-                seq.images = images
-            else:
-                episode.sequences.append(Sequence(
-                    expanded_prompt + reply_ids, [0] * len(expanded_prompt) + [1] * len(reply_ids),
-                    [0.0] * len(expanded_prompt) + reply_logprobs, images))
             turn = episode.turns[-1]
             turn.reply_ids, turn.reply_logprobs, turn.reply = reply_ids, reply_logprobs, texts[i]
-
             obs = game.step(texts[i])
-            episode.end_cell = game.agent
-            episode.invalid_actions += not obs.valid
-            episode.wall_bumps += obs.bumped
-            if game.done:
-                episode.done, episode.reward, episode.solved = True, obs.reward, game.solved
-                episode.end_reason = game.end_reason
+            if episode.record_step(game, obs):
                 bar.update(1)
                 continue
             episode.turns.append(chat.open_turn(obs.text, obs.image, game.agent, reply_ids,
                                                 text_only=bool(max_images)))
             digests[id(obs.image)] = image_digest(obs.image)
             ids, images = episode.next_prompt(max_images)
-            if chat.expanded_len(ids, images) + max_new_tokens > max_model_len:
-                episode.done, episode.end_reason = True, "context_limit"
+            if chat.expanded_len(ids, images) + sampling.max_new_tokens > sampling.max_model_len:
+                episode.ended, episode.end_reason = True, "context_limit"
                 bar.update(1)
     bar.close()
+    for episode in episodes:
+        episode.sequences = training_sequences(episode, chat, max_images)
     return episodes
 
 
@@ -463,27 +491,22 @@ def play_chat_episodes(mazes: list, reply_fn, env_settings: visgym.EnvSettings, 
     (the turns are text and images here: whoever answers tokenises them)."""
     episodes, games = [], []
     for i, maze in enumerate(mazes):
-        maze_env = env_settings.make(maze)
-        obs = maze_env.reset()
+        game = env_settings.make(maze)
+        obs = game.reset()
         episodes.append(Episode(maze=maze, group_id=i, sample_id=i,
-                                turns=[Turn(text=maze_env.first_text(obs), image=obs.image, state=maze_env.agent)]))
-        games.append(maze_env)
+                                turns=[Turn(text=game.first_text(obs), image=obs.image, cell=game.agent)]))
+        games.append(game)
     bar = tqdm(total=len(mazes), desc=desc, unit="maze", disable=not progress, leave=False)
-    while active := [i for i, e in enumerate(episodes) if not e.done]:
+    while active := [i for i, e in enumerate(episodes) if not e.ended]:
         replies = reply_fn([chat_messages(episodes[i], max_images) for i in active])
         for i, reply in zip(active, replies):
-            episode, maze_env = episodes[i], games[i]
+            episode, game = episodes[i], games[i]
             episode.turns[-1].reply = reply
-            obs = maze_env.step(reply)
-            episode.end_cell = maze_env.agent
-            episode.invalid_actions += not obs.valid
-            episode.wall_bumps += obs.bumped
-            if maze_env.done:
-                episode.done, episode.reward, episode.solved = True, obs.reward, maze_env.solved
-                episode.end_reason = maze_env.end_reason
+            obs = game.step(reply)
+            if episode.record_step(game, obs):
                 bar.update(1)
             else:
-                episode.turns.append(Turn(text=obs.text, image=obs.image, state=maze_env.agent))
+                episode.turns.append(Turn(text=obs.text, image=obs.image, cell=game.agent))
     bar.close()
     return episodes
 

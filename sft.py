@@ -73,29 +73,15 @@ def demonstration(maze, chat: rollout.ChatFormat, reply_ids: dict, rng: random.R
         else:
             action, detour = best, 0
         last_move = env.ACTION_STRINGS.index(action)
-        ids, images = episode.next_prompt(max_images)
         turn = episode.turns[-1]
         turn.reply_ids, turn.reply = reply_ids[action], chat.tokenizer.decode(reply_ids[action], skip_special_tokens=True)
         turn.reply_logprobs = [rollout.NO_LOGPROB] * len(turn.reply_ids)  # demonstrated, never sampled
         trained.append(not noisy)
-        prompt = chat.expand(ids, images)
-        episode.sequences.append(rollout.Sequence(
-            prompt + reply_ids[action], [0] * len(prompt) + [int(not noisy)] * len(reply_ids[action]),
-            [0.0] * (len(prompt) + len(reply_ids[action])), images))
         obs = game.step(turn.reply)
         if not game.done:
             episode.turns.append(chat.open_turn(obs.text, obs.image, game.agent, turn.reply_ids,
                                                 text_only=bool(max_images)))
-    if max_images is None:
-        # Full history: each prompt extends the previous sequence, so the last sequence holds
-        # the whole episode, and reply t ends where turn t's sequence ended.
-        last = episode.sequences[-1]
-        mask = [0] * len(last.token_ids)
-        for seq, turn, keep in zip(episode.sequences, episode.turns, trained):
-            if keep:
-                mask[len(seq.token_ids) - len(turn.reply_ids):len(seq.token_ids)] = [1] * len(turn.reply_ids)
-        return [rollout.Sequence(last.token_ids, mask, [0.0] * len(mask), last.images)]
-    return [s for s, keep in zip(episode.sequences, trained) if keep]
+    return rollout.training_sequences(episode, chat, max_images, trained=[t for t, keep in enumerate(trained) if keep])
 
 
 def demonstrations(chat: rollout.ChatFormat, n: int, *, max_turns: int, noise: float = 0.5,

@@ -95,9 +95,9 @@ def evaluate(cfg, engine, chat, lora_request, step: int, out: Path, run: dict | 
         mine = list(range(dist.get_rank(), len(mazes), dist.get_world_size()))
         sampled = rollout.play_episodes(
             engine, chat, [mazes[i] for i in mine], mine, visgym.EnvSettings.of(cfg),
-            samples_per_maze=cfg.sampled_eval_samples, max_new_tokens=cfg.max_new_tokens,
-            max_model_len=cfg.max_model_len, temperature=cfg.sampled_eval_temperature, seed=cfg.seed + 1,
-            lora_request=lora_request, max_images=cfg.max_images or None, desc=f"sampled eval@{step}", progress=False)
+            rollout.Sampling.of(cfg, temperature=cfg.sampled_eval_temperature, seed=cfg.seed + 1),
+            samples_per_maze=cfg.sampled_eval_samples, lora_request=lora_request, desc=f"sampled eval@{step}",
+            progress=False)
         solved, total = distributed.sum_over_ranks([sum(e.solved for e in sampled), len(sampled)])
         result["sampled_solve_rate"] = solved / total
         result["sampled_temperature"] = cfg.sampled_eval_temperature
@@ -227,9 +227,8 @@ def main(cfg: Config):
         mine = list(range(rank * per_rank, (rank + 1) * per_rank))
         episodes = rollout.play_episodes(
             engine, chat, [mazes[i] for i in mine], [step * cfg.prompts_per_step + i for i in mine],
-            visgym.EnvSettings.of(cfg), samples_per_maze=cfg.group_size, max_new_tokens=cfg.max_new_tokens,
-            max_model_len=cfg.max_model_len, temperature=cfg.temperature, seed=cfg.seed, lora_request=lora_request,
-            max_images=cfg.max_images or None, desc=f"rollout@{step + 1}", progress=cfg.progress and rank == 0)
+            visgym.EnvSettings.of(cfg), rollout.Sampling.of(cfg), samples_per_maze=cfg.group_size,
+            lora_request=lora_request, desc=f"rollout@{step + 1}", progress=cfg.progress and rank == 0)
         # and the forks the groups passed, replayed with every open move (branch.py; on by default for the tiny model)
         branch_experiences, branch_stats = branch.branch_step(cfg, engine, chat, episodes, lora_request)
         sleeper.sleep(engine)  # time-slicing: the engine gives the GPU to the trainer (--engine-sleep)

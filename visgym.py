@@ -43,8 +43,8 @@ def _visgym_disc(cell, cell_px: int) -> list:
             if offset(x, x0) ** 2 + offset(y, y0) ** 2 - max(offset(x, x0), offset(y, y0)) < radius ** 2]
 
 
-def render_visgym(maze: Maze, agent, cell_px: int = CELL_PX_VISGYM, left=()) -> Image.Image:
-    """The frame VisGym shows: `render` in VisGym's drawing, `left` the cells the agent has left.
+def render_visgym(maze: Maze, agent, cell_px: int = CELL_PX_VISGYM, vacated=()) -> Image.Image:
+    """The frame VisGym shows: `render` in VisGym's drawing, `vacated` the cells the agent has moved off.
 
     VisGym paints onto one canvas per episode and, after each move, covers the old circle with a
     white one instead of redrawing the cell. On white paths that changes nothing; on the target it
@@ -65,7 +65,7 @@ def render_visgym(maze: Maze, agent, cell_px: int = CELL_PX_VISGYM, left=()) -> 
             if wall:
                 fill_cell((r, c), WALL_RGB)
     fill_cell(maze.goal, GOAL_RGB)
-    for cell in set(map(tuple, left)) - {tuple(agent)}:
+    for cell in set(map(tuple, vacated)) - {tuple(agent)}:
         draw.point(_visgym_disc(cell, cell_px), fill=PATH_RGB)
     draw.point(_visgym_disc(agent, cell_px), fill=AGENT_RGB)
     return image
@@ -214,7 +214,7 @@ class VisGymMazeEnv(MazeEnv):
         return said  # VisGym says VISGYM_DONE for every executed move and stop
 
     def draw(self) -> Image.Image:
-        return render_visgym(self.maze, self.agent, self.cell_px, self.left)
+        return render_visgym(self.maze, self.agent, self.cell_px, self.vacated)
 
     def turn_text(self, feedback: str) -> str:
         if self.done:  # no budget line once the episode is over: VisGym's harness asks nothing more

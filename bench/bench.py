@@ -180,8 +180,9 @@ def bench_rollout(args) -> dict:
         t = time.time()
         episodes = rollout.play_episodes(
             engine, chat, mazes[:n_mazes], list(range(n_mazes)), visgym.EnvSettings(max_turns=turns, cell_px=p["cell_px"]),
-            samples_per_maze=samples, max_new_tokens=p["max_new_tokens"], min_new_tokens=p["max_new_tokens"],
-            max_model_len=p["max_model_len"], temperature=p["temperature"], seed=seed, lora_request=lora, progress=False)
+            rollout.Sampling(p["temperature"], seed, p["max_new_tokens"], p["max_model_len"],
+                             min_new_tokens=p["max_new_tokens"]),
+            samples_per_maze=samples, lora_request=lora, progress=False)
         return {"s": time.time() - t, "turns": sum(e.num_turns for e in episodes),
                 "tokens": sum(e.num_generated_tokens for e in episodes)}
 
@@ -502,8 +503,8 @@ def coldstart_child(engine_kwargs: dict):
     times = []
     for _ in range(2):
         t = time.time()
-        rollout.play_episodes(engine, chat, mazes, [0, 1], visgym.EnvSettings(max_turns=3), samples_per_maze=2,
-                              max_new_tokens=16, max_model_len=4096, temperature=1.0, seed=0, progress=False)
+        rollout.play_episodes(engine, chat, mazes, [0, 1], visgym.EnvSettings(max_turns=3),
+                              rollout.Sampling(1.0, 0, 16, 4096), samples_per_maze=2, progress=False)
         times.append(time.time() - t)
     print("BENCH_RESULT " + json.dumps({"import_s": t_import, "build_s": t_build, "first_play_s": times[0],
                                         "second_play_s": times[1]}), flush=True)

@@ -51,17 +51,16 @@ def main():
         raise SystemExit(f"no training maze with seed {args.maze_seed} among the first {len(mazes)}")
     engine, lora_request, chat = load_policy(args.model, args.adapter, args.max_turns)
     episodes = rollout.play_episodes(engine, chat, [maze], [0], visgym.EnvSettings.of(cfg),
-                                     samples_per_maze=args.group_size, max_new_tokens=cfg.max_new_tokens,
-                                     max_model_len=cfg.max_model_len, temperature=args.temperature, seed=args.seed,
-                                     lora_request=lora_request, progress=False)
+                                     rollout.Sampling.of(cfg, temperature=args.temperature, seed=args.seed),
+                                     samples_per_maze=args.group_size, lora_request=lora_request, progress=False)
     print(f"maze {maze.seed}: goal {maze.goal}, shortest path {len(env.solve(maze))} turns")
     for e in episodes:
         print(f"member {e.sample_id}: {e.end_reason}, solved {e.solved}, {e.num_turns} turns, "
-              f"cells {[t.state for t in e.played]}")
+              f"cells {[t.cell for t in e.played]}")
     points = branch.choose_points(episodes, args.points)
     for p in branch.play_branches(cfg, engine, chat, episodes, points, lora_request):
         target = p.moves[p.best] if p.best is not None else "none"
-        print(f"point: member {p.parent}, turn {p.turn}, cell {episodes[p.parent].turns[p.turn].state}: "
+        print(f"point: member {p.parent}, turn {p.turn}, cell {episodes[p.parent].turns[p.turn].cell}: "
               f"returns {dict(zip(p.moves, (round(r, 3) for r in p.returns)))}, target {target}")
         for move, b in zip(p.moves, p.branches):
             print(f"    {move}: {b.end_reason}, solved {b.solved}, ends at {b.end_cell}, then "

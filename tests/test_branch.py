@@ -37,7 +37,7 @@ def walk(game, actions):
 @pytest.mark.parametrize("style", ["ours", "visgym"])
 def test_a_restored_env_plays_on_exactly_as_the_original(style):
     """Walk to the goal and one step off it (VisGym's canvas then shows a hole in the target, which
-    only `left` remembers), with a bump on the way; restore a fresh env to that state: it plays
+    only `vacated` remembers), with a bump on the way; restore a fresh env to that state: it plays
     on exactly as the original, picture for picture."""
     maze = env.generate_maze(7, seed=3) if style == "ours" else env.generate_maze_visgym(9, seed=3)
     rng = random.Random(0)
@@ -50,11 +50,11 @@ def test_a_restored_env_plays_on_exactly_as_the_original(style):
     cells, last = walk(original, actions)
     n = len(actions)
     episode = rollout.Episode(maze=maze, group_id=0, sample_id=0, end_cell=original.agent,
-                              turns=[rollout.Turn(text="", image=None, state=cell, reply_ids=[1], reply="")
+                              turns=[rollout.Turn(text="", image=None, cell=cell, reply_ids=[1], reply="")
                                      for cell in cells])
-    assert maze.goal in original.left and episode.cells_left(n) == original.left
+    assert maze.goal in original.vacated and episode.cells_vacated(n) == original.vacated
     copy = visgym.make_env(maze, style, max_turns=max_turns)
-    restored = copy.restore(original.agent, original.turn, episode.cells_left(n))
+    restored = copy.restore(original.agent, original.turn, episode.cells_vacated(n))
     assert restored.image.tobytes() == last.image.tobytes()  # the state's picture, the target's hole included
     for action in [rng.choice(env.ACTION_STRINGS) for _ in range(8)]:
         a, b = original.step(f"<answer>{action}</answer>"), copy.step(f"<answer>{action}</answer>")
@@ -62,10 +62,10 @@ def test_a_restored_env_plays_on_exactly_as_the_original(style):
         assert a.image.tobytes() == b.image.tobytes()
         if a.done:
             break
-    # every earlier turn of the same walk: cells_left(t) is the env's `left` as it was then
+    # every earlier turn of the same walk: cells_vacated(t) is the env's `vacated` as it was then
     replay = visgym.make_env(maze, style, max_turns=max_turns)
     for t, action in enumerate(actions):
-        assert episode.cells_left(t) == replay.left
+        assert episode.cells_vacated(t) == replay.vacated
         replay.step(f"<answer>{action}</answer>")
     with pytest.raises(ValueError, match="cannot restore"):
         copy.restore((0, 0), 1)  # the outer wall
@@ -88,7 +88,7 @@ def test_forks_and_their_moves():
 
 
 def fake_episode(maze, group, cells, replies, solved):
-    turns = [rollout.Turn(text="", image=None, state=cell, reply_ids=[1], reply=reply)
+    turns = [rollout.Turn(text="", image=None, cell=cell, reply_ids=[1], reply=reply)
              for cell, reply in zip(cells, replies, strict=True)]
     return rollout.Episode(maze=maze, group_id=group, sample_id=0, turns=turns, solved=solved, end_cell=cells[-1],
                            end_reason="turn_limit")
@@ -187,21 +187,21 @@ def test_a_branch_replays_its_parents_exact_prefix(engine, warm_start, max_image
     chat = rollout.ChatFormat.for_model(str(warm_start))
     cfg = train.Config(max_turns=6, max_new_tokens=8, temperature=0.5, max_images=max_images)
     maze = env.TrainMazeStream("small").next()
-    parents = rollout.play_episodes(engine, chat, [maze], [0], visgym.EnvSettings(max_turns=6), samples_per_maze=2,
-                                    max_new_tokens=8, max_model_len=4096, temperature=0.5, seed=0,
-                                    max_images=max_images or None, progress=False)
+    parents = rollout.play_episodes(engine, chat, [maze], [0], visgym.EnvSettings(max_turns=6),
+                                    rollout.Sampling(0.5, 0, 8, 4096, max_images or None), samples_per_maze=2,
+                                    progress=False)
     i = max(range(2), key=lambda k: parents[k].num_turns)
     parent = parents[i]
     assert parent.num_turns >= 3
     t = 2
     (point,) = branch.play_branches(cfg, engine, chat, parents, [(i, t)])
     reply_ids, _ = sft.reply_tokens(chat)
-    assert point.moves == branch.branch_moves(maze, parent.turns[t].state) and len(point.moves) >= 1
+    assert point.moves == branch.branch_moves(maze, parent.turns[t].cell) and len(point.moves) >= 1
     parent_action = env.parse_action(parent.replies[t])
     for move, b in zip(point.moves, point.branches):
-        assert b.done and b.turns[:t] == parent.turns[:t]  # the turns before the fork, as played
+        assert b.ended and b.turns[:t] == parent.turns[:t]  # the turns before the fork, as played
         fork, theirs_then = b.turns[t], parent.turns[t]
-        assert (fork.state, fork.prompt_ids, fork.image) == (theirs_then.state, theirs_then.prompt_ids, theirs_then.image)
+        assert (fork.cell, fork.prompt_ids, fork.image) == (theirs_then.cell, theirs_then.prompt_ids, theirs_then.image)
         assert fork.reply_ids == reply_ids[move] and theirs_then.reply_ids is not None  # the parent's turn untouched
         if max_images:  # one sequence per turn: the first t are the parent's, turn t's prompt too
             assert [s.token_ids for s in b.sequences[:t]] == [s.token_ids for s in parent.sequences[:t]]
@@ -223,10 +223,10 @@ def test_a_branch_replays_its_parents_exact_prefix(engine, warm_start, max_image
         assert all(math.isnan(x) for x in forced_lp) and not any(math.isnan(x) for x in sampled_lp)
         if env.parse_action(f"<answer>{move}</answer>") == parent_action and t + 1 < parent.num_turns:
             after, theirs_after = b.turns[t + 1], parent.turns[t + 1]
-            assert after.state == theirs_after.state  # the restored env moved as the parent's did
+            assert after.cell == theirs_after.cell  # the restored env moved as the parent's did
             assert (after.text, after.prompt_ids) == (theirs_after.text, theirs_after.prompt_ids)
             assert after.image.tobytes() == theirs_after.image.tobytes()
-        target = branch.target_sequence(b, t, max_images or None)
+        target = branch.target_sequence(b, t, chat, max_images or None)
         assert [tok for tok, m in zip(target.token_ids, target.response_mask) if m] == reply_ids[move]
         assert target.token_ids[:start] == theirs.token_ids[:start] and len(target.token_ids) == start + len(reply_ids[move])
 
@@ -305,7 +305,7 @@ def test_the_branch_term_lifts_a_confidently_wrong_fork_like_an_sft_step(engine,
     cfg = train.Config(temperature=TEMPERATURE, max_new_tokens=8, step_adv_weight=1.0, branch_points_per_group=1)
     episodes, games = first_turns(chat, maze, 8, cfg.max_turns)
     rollout.play_turns(engine, chat, episodes, games, [[reply_ids[a] for a in path[:FORK_TURN]]] * 8,
-                       max_new_tokens=8, max_model_len=4096, temperature=TEMPERATURE, seed=0, progress=False)
+                       rollout.Sampling(TEMPERATURE, 0, 8, 4096), progress=False)
     choices = [env.parse_action(e.replies[FORK_TURN]) for e in episodes]
     (point,) = branch.play_branches(cfg, engine, chat, episodes, [(0, FORK_TURN)])
     print("fork choices of the 8:", choices, "rewards:", [e.reward for e in episodes])
@@ -314,7 +314,7 @@ def test_the_branch_term_lifts_a_confidently_wrong_fork_like_an_sft_step(engine,
 
     grpo_xs, _ = grpo.episode_experiences(episodes, gamma=cfg.gamma, step_adv_weight=cfg.step_adv_weight,
                                           scale_by_std=cfg.scale_adv_by_std)  # one group (group_id 0)
-    target = branch.target_sequence(point.branches[point.best], FORK_TURN, None)
+    target = branch.target_sequence(point.branches[point.best], FORK_TURN, chat, None)
     branch_row = (target, grpo.branch_target_advantages(target.response_mask, cfg.branch_weight), 0)
     out = in_fresh_process(_fork_updates, str(warm_start), {"right": target},
                            [(x.sequence, x.advantages, x.episode) for x in grpo_xs], [branch_row], timeout=600)

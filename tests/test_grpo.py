@@ -75,7 +75,7 @@ def test_episode_experiences_put_each_turns_advantage_on_its_reply_tokens():
     def episode(group, cells, reward):
         mask = [0, 0] + [m for _ in cells for m in (1, 1, 0)]  # a 2-token prompt, then reply, observation
         seq = SimpleNamespace(response_mask=mask)
-        turns = [SimpleNamespace(state=cell) for cell in cells]
+        turns = [SimpleNamespace(cell=cell) for cell in cells]
         return SimpleNamespace(maze=maze, group_id=group, played=turns, reward=reward, num_turns=len(cells),
                                sequences=[seq])
 

@@ -120,9 +120,8 @@ def _sync_check(shared: str, model_dir: str, results):
 
     def play(request, group_offset):
         return rollout.play_episodes(engine, chat, mazes, [group_offset, group_offset + 1],
-                                     visgym.EnvSettings(max_turns=3), samples_per_maze=2, max_new_tokens=6,
-                                     max_model_len=4096, temperature=TEMPERATURE, seed=0, lora_request=request,
-                                     progress=False)
+                                     visgym.EnvSettings(max_turns=3), rollout.Sampling(TEMPERATURE, 0, 6, 4096),
+                                     samples_per_maze=2, lora_request=request, progress=False)
 
     def trainer_mismatch(episodes, with_engine_bias=True):
         batch = policy.Batch([e.sequences[0] for e in episodes], chat.processor, model)

@@ -24,17 +24,17 @@ def _chat(model_dir):
 
 def _play(engine, chat, temperature=1.0, **kw):
     mazes = [env.generate_maze(7, seed=s) for s in (11, 12)]
-    args = dict(samples_per_maze=3, max_new_tokens=6, max_model_len=4096, temperature=temperature, seed=0,
-                progress=False)
-    args.update(kw)
-    settings = visgym.EnvSettings(max_turns=args.pop("max_turns", 4))
-    return rollout.play_episodes(engine, chat, mazes, [0, 1], settings, **args)
+    settings = visgym.EnvSettings(max_turns=kw.pop("max_turns", 4))
+    sampling = rollout.Sampling(temperature=temperature, seed=0, max_new_tokens=kw.pop("max_new_tokens", 6),
+                                max_model_len=kw.pop("max_model_len", 4096), max_images=kw.pop("max_images", None))
+    return rollout.play_episodes(engine, chat, mazes, [0, 1], settings, sampling, **{"samples_per_maze": 3,
+                                                                                      "progress": False, **kw})
 
 
 def test_sequences_line_up_with_the_processor(engine, warm_start):
     processor, chat = _chat(warm_start)
     episodes = _play(engine, chat)
-    assert len(episodes) == 6 and all(e.done for e in episodes)
+    assert len(episodes) == 6 and all(e.ended for e in episodes)
     for e in episodes:
         assert len(e.sequences) == 1  # full history: the whole episode is one sequence
         seq = e.sequences[0]
@@ -203,7 +203,7 @@ def test_an_episode_is_its_turns_read_the_same_way_by_engine_prompts_and_chat_me
 
     image_pad = 7
     images = [Image.new("RGB", (32, 32), (40 * k, 0, 0)) for k in range(3)]
-    turns = [rollout.Turn(text=f"view {k}", image=images[k], state=(k, 1), prompt_ids=[10 + k, image_pad],
+    turns = [rollout.Turn(text=f"view {k}", image=images[k], cell=(k, 1), prompt_ids=[10 + k, image_pad],
                           prompt_ids_text_only=[10 + k], reply_ids=[20 + k], reply_logprobs=[-0.5], reply=f"r{k}")
              for k in range(3)]
     episode = rollout.Episode(maze=env.generate_maze(7, seed=1), group_id=0, sample_id=0, turns=turns,
@@ -221,12 +221,38 @@ def test_an_episode_is_its_turns_read_the_same_way_by_engine_prompts_and_chat_me
     encoded = []  # a conversation resends every image each turn: each is encoded once, then reused
     monkeypatch.setattr(rollout, "image_url", lambda image: encoded.append(image) or "data:fresh")
     assert rollout.chat_messages(episode) == full and encoded == []
-    branch = episode.prefix(2, sample_id=5, max_images=1)
+    branch = episode.prefix(2, sample_id=5)
     assert branch.turns[:2] == turns[:2] and branch.num_turns == 2 and not branch.turns[2].answered
     assert branch.next_prompt(1) == ([10, 20, 11, 21, 12, 7], images[2:])  # waiting for its reply 2
-    assert len(branch.sequences) == 2 and branch.replies == ["r0", "r1"]
+    assert branch.sequences == [] and branch.replies == ["r0", "r1"]  # its own are built once it is played
     branch.turns[2].reply = "another"
     assert episode.turns[2].reply == "r2" and episode.replies == ["r0", "r1", "r2"]
+
+
+def test_training_sequences_are_laid_out_from_the_turns():
+    """The one layout of a training sequence: full history, one sequence of every prompt (image
+    placeholders expanded) and reply; with max_images, one per turn, its prompt as then sent.
+    Only the trained replies are masked in; the replies carry their log-probs, the prompts 0."""
+    from types import SimpleNamespace
+
+    pad = 7
+    chat = SimpleNamespace(expand=lambda ids, images: [x for t in ids for x in ([t, t] if t == pad else [t])])
+    images = [object() for _ in range(3)]
+    turns = [rollout.Turn(text="", image=images[k], cell=(k, 1), prompt_ids=[10 + k, pad], prompt_ids_text_only=[10 + k],
+                          reply_ids=[20 + k], reply_logprobs=[-0.1 * (k + 1)], reply=f"r{k}") for k in range(3)]
+    turns.append(rollout.Turn(text="", image=object(), cell=(3, 1), prompt_ids=[13, pad], prompt_ids_text_only=[13]))
+    episode = rollout.Episode(maze=env.generate_maze(7, seed=1), group_id=0, sample_id=0, turns=turns)  # ended unasked
+    (full,) = rollout.training_sequences(episode, chat, None)
+    assert full.token_ids == [10, 7, 7, 20, 11, 7, 7, 21, 12, 7, 7, 22] and full.images == images
+    assert full.response_mask == [0, 0, 0, 1] * 3
+    assert full.rollout_logprobs == [0.0, 0.0, 0.0, -0.1, 0.0, 0.0, 0.0, -0.2, 0.0, 0.0, 0.0, pytest.approx(-0.3)]
+    (cut,) = rollout.training_sequences(episode, chat, None, trained={1}, through=1)
+    assert cut.token_ids == full.token_ids[:8] and cut.response_mask == [0] * 7 + [1] and cut.images == images[:2]
+    per_turn = rollout.training_sequences(episode, chat, 1)
+    assert [s.token_ids for s in per_turn] == [[10, 7, 7, 20], [10, 20, 11, 7, 7, 21], [10, 20, 11, 21, 12, 7, 7, 22]]
+    assert [s.response_mask for s in per_turn] == [[0, 0, 0, 1], [0] * 5 + [1], [0] * 7 + [1]]
+    assert [s.images for s in per_turn] == [[images[0]], [images[1]], [images[2]]]
+    assert rollout.training_sequences(episode, chat, 1, trained=[0, 2]) == [per_turn[0], per_turn[2]]
 
 
 def _scripted(batch, mazes, plans):

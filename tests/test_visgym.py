@@ -181,11 +181,11 @@ def test_frames_match_visgyms_pixels_including_the_hole_in_the_target():
     assert ours.getpixel(centre) == env.GOAL_RGB
 
 
-def test_render_visgym_is_a_pure_function_of_the_cells_left():
+def test_render_visgym_is_a_pure_function_of_the_cells_vacated():
     maze = generate_maze_visgym(9, 0)
-    holed = render_visgym(maze, maze.start, left=[maze.goal])
+    holed = render_visgym(maze, maze.start, vacated=[maze.goal])
     assert holed.getpixel((maze.goal[1] * 25 + 12, maze.goal[0] * 25 + 12)) == env.PATH_RGB
-    assert render_visgym(maze, maze.start).tobytes() == render_visgym(maze, maze.start, left=[maze.start]).tobytes()
+    assert render_visgym(maze, maze.start).tobytes() == render_visgym(maze, maze.start, vacated=[maze.start]).tobytes()
     with pytest.raises(ValueError):
         render_visgym(maze, maze.start, cell_px=6)
 

@@ -72,7 +72,7 @@ def main(model_dir: str, out: str):
         lp = torch.Generator().manual_seed(100 + i)
         for s in e.sequences:
             s.rollout_logprobs = [(-0.1 * torch.rand(1, generator=lp).item()) if m else 0.0 for m in s.response_mask]
-        e.turns = [rollout.Turn(text="", image=None, state=maze.start, reply_ids=[], reply="x")
+        e.turns = [rollout.Turn(text="", image=None, cell=maze.start, reply_ids=[], reply="x")
                    for _ in range(grpo.reply_count(e.sequences[0].response_mask))]
         e.reward = rewards[i]
         episodes.append(e)
