@@ -244,22 +244,14 @@ def save(cfg, model, optimizer, scheduler, lora_state, step, stream, hours, out:
     optim_state = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True,
                                                                                       cpu_offload=True))
     rngs = distributed.all_gather_objects(rng_states())
-    tmp, error = None, None
-    if dist.get_rank() == 0:
-        meta = {"step": step, "stream": stream.state_dict(), "process_hours": hours,
-                "world_size": dist.get_world_size(), "config": dataclasses.asdict(cfg),
-                "mismatch_bound": mismatch_bound,  # the stale-policy guard's, calibrated (update.StalePolicyGuard)
-                "average_count": average.count if average else 0}  # the tail average's steps (average.py)
-        trainer_state = {"optimizer": optim_state, "scheduler": scheduler.state_dict(), "rng": rngs}
-        try:
-            tmp = write_checkpoint(out, step, model, lora_state, trainer_state, meta, base,
-                                   average.state if average and average.count else None)
-        except WriteError as e:
-            error = str(e)
-    error = distributed.broadcast_object(error)
-    if error:
-        raise SystemExit(error)
-    return tmp
+    meta = {"step": step, "stream": stream.state_dict(), "process_hours": hours,
+            "world_size": dist.get_world_size(), "config": dataclasses.asdict(cfg),
+            "mismatch_bound": mismatch_bound,  # the stale-policy guard's, calibrated (update.StalePolicyGuard)
+            "average_count": average.count if average else 0}  # the tail average's steps (average.py)
+    trainer_state = {"optimizer": optim_state, "scheduler": scheduler.state_dict(), "rng": rngs}
+    return distributed.on_rank0(lambda: write_checkpoint(out, step, model, lora_state, trainer_state, meta, base,
+                                                         average.state if average and average.count else None),
+                                WriteError)
 
 
 def write_checkpoint(out: Path, step: int, model, lora_state: dict, trainer_state: dict, meta: dict, base,

@@ -87,6 +87,22 @@ def broadcast_object(obj):
     return box[0]
 
 
+def on_rank0(fn, errors=(SystemExit,), prefix: str = ""):
+    """`fn()` on rank 0 only, its result on every rank. If it raises one of `errors`, every rank
+    stops with its one line (after `prefix`), not rank 0 alone while the others wait in the next
+    collective. Collective."""
+    result = error = None
+    if dist.get_rank() == 0:
+        try:
+            result = fn()
+        except errors as e:
+            error = f"{prefix}{e}"
+    error, result = broadcast_object((error, result))
+    if error:
+        raise SystemExit(error)
+    return result
+
+
 def all_gather_objects(obj) -> list:
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, obj)

@@ -329,13 +329,8 @@ def publish_adapter(model, shared: Path, step: int, keep: int, base_model: dict)
 def write_shared_adapter(model, state: dict, path: Path, keep: int, base_model: dict, what: str = "LoRA sync"):
     """Rank 0 writes `state` as an adapter at `path` and keeps the newest `keep` of its siblings;
     a failed write stops every rank, not only the one that failed. Collective."""
-    error = None
-    if dist.get_rank() == 0:
-        try:
-            checkpoint.write_adapter(model, state, path, base_model)
-            checkpoint.prune(path.parent, "step_", keep, current=int(path.name.removeprefix("step_")))
-        except checkpoint.WriteError as e:
-            error = str(e)
-    error = distributed.broadcast_object(error)
-    if error:
-        raise SystemExit(f"{what} failed: {error}")
+    def write():
+        checkpoint.write_adapter(model, state, path, base_model)
+        checkpoint.prune(path.parent, "step_", keep, current=int(path.name.removeprefix("step_")))
+
+    distributed.on_rank0(write, checkpoint.WriteError, prefix=f"{what} failed: ")

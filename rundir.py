@@ -27,7 +27,6 @@ import time
 import uuid
 from pathlib import Path
 
-import torch.distributed as dist
 
 import checkpoint
 import distributed
@@ -52,15 +51,7 @@ def check_writable(directory: Path, min_free_mb: int = 64):
 def check_shared(shared: Path):
     """Rank 0 makes sure the LoRA sync's directory takes files; then every rank must read back what
     rank 0 wrote there (distributed.check_shared_dir). Collective; every rank stops alike."""
-    error = None
-    if dist.get_rank() == 0:
-        try:
-            check_writable(shared)
-        except SystemExit as e:
-            error = str(e)
-    error = distributed.broadcast_object(error)
-    if error:
-        raise SystemExit(error)
+    distributed.on_rank0(lambda: check_writable(shared))
     distributed.check_shared_dir(shared, checkpoint.atomic_write_text)
 
 
@@ -246,17 +237,12 @@ def open_run(out: Path, cfg, base: dict, log=print) -> tuple[str, dict]:
       `--resume none`, and with none written yet starts over in place (the files are its own).
     - Otherwise this is a fresh start: into a directory that holds another run's files it
       refuses, naming them, unless `--archive-old-run true` moves them aside first."""
-    result, error = None, None
-    if dist.get_rank() == 0:
-        try:
-            result = _open_run(out, cfg, base, log)
-            (out / STOPPED_FILE).unlink(missing_ok=True)  # this attempt goes on from where a stopped one left off
-        except SystemExit as e:
-            error = str(e)
-    error, result = distributed.broadcast_object((error, result))
-    if error:
-        raise SystemExit(error)
-    return result
+    def open_on_rank0():
+        result = _open_run(out, cfg, base, log)
+        (out / STOPPED_FILE).unlink(missing_ok=True)  # this attempt goes on from where a stopped one left off
+        return result
+
+    return distributed.on_rank0(open_on_rank0)
 
 
 def _open_run(out: Path, cfg, base: dict, log) -> tuple[str, dict]:
