@@ -41,7 +41,6 @@ from dataclasses import dataclass
 import env
 import grpo
 import rollout
-import sft
 import visgym
 
 # Branches draw from their own seed stream (a run seed of seed + this), so that a branch's samples
@@ -111,7 +110,7 @@ def choose_points(episodes: list, per_group: int) -> list[tuple[int, int]]:
 def play_branches(cfg, engine, chat: rollout.ChatFormat, episodes: list, points: list, lora_request=None,
                   progress: bool = False) -> list[BranchPoint]:
     """Every branch of every point, played to the end in one batched turn loop (rollout.play_turns)."""
-    reply_ids, _ = sft.reply_tokens(chat)
+    reply_ids, _ = chat.reply_tokens()
     max_turns, env_settings = cfg.max_turns, visgym.EnvSettings.of(cfg)
     found, branches, games, forced = [], [], [], []
     for i, t in points:

@@ -115,27 +115,34 @@ def turn_values(episode_advantage: float, step_advantages: list[float], weight: 
     return [episode_advantage + weight * a for a in step_advantages]
 
 
+def reply_spans(response_mask: list[int]) -> list[tuple[int, int]]:
+    """[start, end) of each reply (run of 1s) in a response mask, in order."""
+    spans, start = [], None
+    for j, m in enumerate(list(response_mask) + [0]):
+        if m and start is None:
+            start = j
+        elif not m and start is not None:
+            spans.append((start, j))
+            start = None
+    return spans
+
+
+def reply_count(response_mask: list[int]) -> int:
+    return len(reply_spans(response_mask))
+
+
 def spread_over_replies(response_mask: list[int], values: list[float]) -> Tensor:
     """A per-token advantage row for one sequence: every token of its k-th reply (the k-th run of
     1s in the mask) carries values[k]; prompt and observation tokens carry 0.
 
     The row is aligned with the trainer's shifted targets (entry j is about token j + 1), so it
     drops the first token, which nothing predicts. len(values) must equal the number of replies."""
-    row, k, inside = torch.zeros(len(response_mask) - 1), -1, False
-    for j, m in enumerate(response_mask[1:]):
-        if m and not inside:  # a reply starts
-            k += 1
-        if m:
-            row[j] = values[k]
-        inside = bool(m)
-    if k + 1 != len(values):
-        raise ValueError(f"{k + 1} replies in the mask, {len(values)} values")
+    spans, row = reply_spans(response_mask), torch.zeros(len(response_mask) - 1)
+    if len(spans) != len(values):
+        raise ValueError(f"{len(spans)} replies in the mask, {len(values)} values")
+    for (start, end), value in zip(spans, values):
+        row[max(start - 1, 0):end - 1] = value
     return row
-
-
-def reply_count(response_mask: list[int]) -> int:
-    """How many replies (runs of 1s) a response mask holds."""
-    return sum(1 for j, m in enumerate(response_mask) if m and (j == 0 or not response_mask[j - 1]))
 
 
 # ----------------------------------------------------------------------------- episodes -> experiences

@@ -75,6 +75,13 @@ class ChatFormat:
     def _ids(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
+    def reply_tokens(self) -> tuple[dict, int]:
+        """The reply that plays each action, as the model should learn it (the answer, then the
+        end-of-turn token): what demonstrations and branch rollouts force; and the id of
+        `<answer>` (the action token is the one right after it)."""
+        reply_ids = {a: self._ids(f"<answer>{a}</answer>") + [self.end_of_reply_id] for a in env.ACTION_STRINGS}
+        return reply_ids, self._ids("<answer>")[0]
+
     def first_turn(self, text: str, with_image: bool = True) -> list[int]:
         """The first user turn: the task's instructions and the first observation (env.MazeEnv's
         first_text), with the image unless told otherwise."""
@@ -409,18 +416,6 @@ def play_turns(engine, chat: ChatFormat, episodes: list, games: list, forced: li
 
 # The rollout log-prob of a token the engine did not sample (a forced reply): "none", not 0.
 NO_LOGPROB = float("nan")
-
-
-def reply_spans(response_mask: list) -> list[tuple[int, int]]:
-    """[start, end) of each reply (run of 1s) in a response mask, in order."""
-    spans, start = [], None
-    for j, m in enumerate(list(response_mask) + [0]):
-        if m and start is None:
-            start = j
-        elif not m and start is not None:
-            spans.append((start, j))
-            start = None
-    return spans
 
 
 def image_digest(image) -> str:

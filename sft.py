@@ -44,9 +44,9 @@ import env
 import grpo
 import policy
 import rollout
-import vllm_engine
 import rundir
 import visgym
+from config import Config
 
 ROOT = Path(__file__).resolve().parent
 
@@ -88,18 +88,11 @@ def demonstrations(chat: rollout.ChatFormat, n: int, *, max_turns: int, noise: f
                    difficulty: str = "small") -> list:
     """Full-history demonstrations of the first n training mazes of a size (BFS moves with detours,
     maze i played with rng seed i): the small fixed batch that checks and tests train on."""
-    reply_ids, _ = reply_tokens(chat)
+    reply_ids, _ = chat.reply_tokens()
     stream = env.TrainMazeStream(difficulty)
     settings = visgym.EnvSettings(max_turns=max_turns, cell_px=env.CELL_PX_TINY)
     return [demonstration(stream.next(), chat, reply_ids, random.Random(i), settings, max_images=None,
                           noise=noise)[0] for i in range(n)]
-
-
-def reply_tokens(chat: rollout.ChatFormat) -> tuple[dict, int]:
-    """The reply the model should learn for each action (the answer, then the end-of-turn token),
-    and the id of `<answer>`: the action token is the one right after it."""
-    reply_ids = {a: chat._ids(f"<answer>{a}</answer>") + [chat.end_of_reply_id] for a in env.ACTION_STRINGS}
-    return reply_ids, chat._ids("<answer>")[0]
 
 
 def training_mazes(difficulties: list[str], pool: int = 0, style: str = "ours"):
@@ -200,15 +193,12 @@ def main():
     rng = random.Random(args.seed)
     chat = rollout.ChatFormat.for_model(model_path)
     processor = chat.processor
-    reply_ids, answer_id = reply_tokens(chat)
+    reply_ids, answer_id = chat.reply_tokens()
     model = Qwen3VLForConditionalGeneration.from_pretrained(model_path, dtype=torch.float32)
     model.train()
     model.model.visual.requires_grad_(not args.freeze_vision)
     if args.lora_rank:  # only the adapter learns: what GRPO's LoRA can take in per step, with SFT's signal
-        from peft import LoraConfig, get_peft_model
-
-        lora = LoraConfig(r=args.lora_rank, lora_alpha=2 * args.lora_rank, target_modules=vllm_engine.LORA_TARGET_REGEX)
-        model = get_peft_model(model, lora)
+        model = policy.add_lora(Config(lora_rank=args.lora_rank, lora_alpha=2 * args.lora_rank, seed=args.seed), model)
     optimizer = make_optimizer(model, args.lr, args.vision_lr)
     # linear warm-up, then a cosine decay to zero at the last step
     schedule = get_scheduler("cosine", optimizer, num_warmup_steps=args.warmup, num_training_steps=args.steps)

@@ -75,7 +75,7 @@ def turn_accuracy(model_path: str, mazes: list, adapter: str = "") -> tuple[coll
     import sft
 
     chat = rollout.ChatFormat.for_model(model_path)
-    reply_ids, answer_id = sft.reply_tokens(chat)
+    reply_ids, answer_id = chat.reply_tokens()
     model = Qwen3VLForConditionalGeneration.from_pretrained(model_path, dtype=torch.float32).eval()
     if adapter:
         from peft import PeftModel

@@ -178,7 +178,7 @@ def state_vectors(model, chat, maze, temperature: float, max_turns: int):
     import policy
     import sft
 
-    reply_ids, answer_id = sft.reply_tokens(chat)
+    reply_ids, answer_id = chat.reply_tokens()
     action_ids = [reply_ids[a][reply_ids[a].index(answer_id) + 1] for a in env.ACTION_STRINGS]
     sequences = sft.demonstration(maze, chat, reply_ids, random.Random(0),
                                   visgym.EnvSettings(max_turns=max_turns, cell_px=env.CELL_PX_TINY), max_images=None,

@@ -182,7 +182,6 @@ def test_a_branch_replays_its_parents_exact_prefix(engine, warm_start, max_image
     forced move (log-prob NaN), then the policy's own replies (sampled, real log-probs) from the
     env restored to the parent's state: the branch that forces the parent's own move sees the
     same next observation the parent saw."""
-    import sft
 
     chat = rollout.ChatFormat.for_model(str(warm_start))
     cfg = train.Config(max_turns=6, max_new_tokens=8, temperature=0.5, max_images=max_images)
@@ -195,7 +194,7 @@ def test_a_branch_replays_its_parents_exact_prefix(engine, warm_start, max_image
     assert parent.num_turns >= 3
     t = 2
     (point,) = branch.play_branches(cfg, engine, chat, parents, [(i, t)])
-    reply_ids, _ = sft.reply_tokens(chat)
+    reply_ids, _ = chat.reply_tokens()
     assert point.moves == branch.branch_moves(maze, parent.turns[t].cell) and len(point.moves) >= 1
     parent_action = env.parse_action(parent.replies[t])
     for move, b in zip(point.moves, point.branches):
@@ -212,11 +211,11 @@ def test_a_branch_replays_its_parents_exact_prefix(engine, warm_start, max_image
             sampled_lp = [lp for s in b.sequences[t + 1:] for lp, m in zip(s.rollout_logprobs, s.response_mask) if m]
         else:
             own, theirs = b.sequences[0], parent.sequences[0]
-            start = rollout.reply_spans(theirs.response_mask)[t][0]
+            start = grpo.reply_spans(theirs.response_mask)[t][0]
             assert own.token_ids[:start] == theirs.token_ids[:start]
             assert own.response_mask[:start] == theirs.response_mask[:start]
             assert own.rollout_logprobs[:start] == theirs.rollout_logprobs[:start]
-            s, e = rollout.reply_spans(own.response_mask)[t]
+            s, e = grpo.reply_spans(own.response_mask)[t]
             assert s == start and own.token_ids[s:e] == reply_ids[move]
             forced_lp = own.rollout_logprobs[s:e]
             sampled_lp = [lp for lp, m in zip(own.rollout_logprobs[e:], own.response_mask[e:]) if m]
@@ -294,14 +293,13 @@ def test_the_branch_term_lifts_a_confidently_wrong_fork_like_an_sft_step(engine,
     GRPO's update on them barely moves p(right). The branches from that state (every open move,
     the policy finishing each) find the right move, and one update with the branch target in the
     batch raises p(right) by an amount comparable to one SFT step on the same state."""
-    import sft
 
     chat = rollout.ChatFormat.for_model(str(warm_start))
     stream = env.TrainMazeStream("small")
     maze = [stream.next() for _ in range(FORK_MAZE + 1)][-1]
     path = env.solve(maze)
     right = path[FORK_TURN]
-    reply_ids, _ = sft.reply_tokens(chat)
+    reply_ids, _ = chat.reply_tokens()
     cfg = train.Config(temperature=TEMPERATURE, max_new_tokens=8, step_adv_weight=1.0, branch_points_per_group=1)
     episodes, games = first_turns(chat, maze, 8, cfg.max_turns)
     rollout.play_turns(engine, chat, episodes, games, [[reply_ids[a] for a in path[:FORK_TURN]]] * 8,

@@ -245,7 +245,7 @@ def test_gradient_probe_gradients_match_autograd_on_the_warm_start(warm_start):
     i = next(k for k, s in enumerate(states) if s["kind"].startswith("fork"))
     assembled = grad_log_pi(states[i]["right"], 1.0) @ vectors[i]["basis"]
 
-    reply_ids, answer_id = sft.reply_tokens(chat)
+    reply_ids, answer_id = chat.reply_tokens()
     sequences = sft.demonstration(maze, chat, reply_ids, random.Random(0),
                                   visgym.EnvSettings(max_turns=15, cell_px=env.CELL_PX_TINY), max_images=None, noise=0.0)
     inputs, mask, _ = policy.Batch(sequences, chat.processor).micro([0], torch.device("cpu"))

@@ -21,11 +21,11 @@ ALLOWED = {
     "rundir": {"checkpoint", "distributed"},
     "policy": {"checkpoint", "distributed", "grpo", "rollout", "tiny_model", "vllm_engine"},
     "update": {"distributed", "grpo", "policy"},
-    "branch": {"env", "grpo", "rollout", "sft", "visgym"},
+    "branch": {"env", "grpo", "rollout", "visgym"},
     "average": set(),
     "train": {"average", "branch", "checkpoint", "config", "distributed", "env", "grpo", "policy", "rollout", "rundir",
               "update", "visgym", "vllm_engine"},
-    "sft": {"env", "grpo", "policy", "rollout", "rundir", "visgym", "vllm_engine"},
+    "sft": {"config", "env", "grpo", "policy", "rollout", "rundir", "visgym"},
     "serve": {"checkpoint", "config", "env", "policy", "rollout", "visgym", "vllm_engine"},
 }
 

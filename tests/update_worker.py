@@ -56,7 +56,7 @@ def main(model_dir: str, out: str):
             else:
                 p.add_(full)
     chat = rollout.ChatFormat.for_model(model_dir)
-    reply_ids, _ = sft.reply_tokens(chat)
+    reply_ids, _ = chat.reply_tokens()
     stream = env.TrainMazeStream("small")
     mazes = [stream.next() for _ in range(4)]
     rewards = [1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0, 1.0]  # group 2 all solved: advantage 0
