@@ -165,7 +165,7 @@ class RunConfig:
                                            "start and the end")
     sampled_eval_temperature: float = setting(1.0, "the sampled evaluation's temperature (1: the policy itself)")
     probe_states: int = setting(32, "held-out first turns on which each step measures how far the update moved "
-                                    "the policy (probe_kl, probe_flip_frac; rollout.PolicyProbe), at least one per "
+                                    "the policy (probe_kl, probe_flip_frac; evaluation.PolicyProbe), at least one per "
                                     "process; 0: off")
     ckpt_interval: int = setting(50, "checkpoint every N steps (and at the end)")
     export_interval: int = setting(50, "write a servable adapter to <out_dir>/adapters every N steps (and at the end)")

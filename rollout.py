@@ -25,10 +25,7 @@ the env renders it, and pass the digest as its `multi_modal_uuids` entry. Replie
 once per turn in one batch, instead of token by token inside the engine (`detokenize=False`).
 """
 
-import base64
 import hashlib
-import io
-import math
 from dataclasses import dataclass, field, replace
 
 from tqdm import tqdm
@@ -434,96 +431,6 @@ def decode_replies(tokenizer, replies: list) -> list[str]:
     return [t.rstrip("\ufffd") for t in texts]
 
 
-# ----------------------------------------------------------------------------- greedy evaluation
-# Evaluation speaks the chat API: OpenAI-style messages with images as data URLs, replies as
-# text. The trainer's eval sends them to its in-process engine (`LLM.chat`); `serve.py`'s eval
-# client sends the very same messages to the HTTP server. One code path, so the numbers agree.
-
-def image_url(image) -> str:
-    buffer = io.BytesIO()
-    image.save(buffer, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
-
-
-def chat_user_message(text: str, image=None, url: str | None = None) -> dict:
-    """A user turn as an OpenAI chat message: its image (if any; or its data URL), then its text."""
-    if image is not None and url is None:
-        url = image_url(image)
-    picture = [{"type": "image_url", "image_url": {"url": url}}] if url is not None else []
-    return {"role": "user", "content": [*picture, {"type": "text", "text": text}]}
-
-
-def engine_replies(engine, lora_request, max_new_tokens: int, banned_token_ids=()):
-    """reply_fn for `play_chat_episodes` backed by an in-process vLLM engine (greedy)."""
-    from vllm import SamplingParams
-
-    params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens,
-                            logit_bias=sampling_logit_bias(banned_token_ids) or None)
-
-    def reply_fn(conversations: list) -> list:
-        outputs = engine.chat(conversations, params, lora_request=lora_request, use_tqdm=False)
-        return [o.outputs[0].text for o in outputs]
-
-    return reply_fn
-
-
-def chat_messages(episode: Episode, max_images: int | None = None) -> list:
-    """The episode's turns as OpenAI chat messages, images only in the last k user turns."""
-    first_with_image = len(episode.turns) - max_images if max_images else 0
-    messages = []
-    for t, turn in enumerate(episode.turns):
-        if t >= first_with_image and turn.image_data_url is None:
-            turn.image_data_url = image_url(turn.image)
-        messages.append(chat_user_message(turn.text, url=turn.image_data_url if t >= first_with_image else None))
-        if turn.answered:
-            messages.append({"role": "assistant", "content": turn.reply})
-    return messages
-
-
-def play_chat_episodes(mazes: list, reply_fn, env_settings: visgym.EnvSettings, *, max_images: int | None = None,
-                       desc: str = "eval", progress: bool = True) -> list:
-    """Play each maze once, every turn asking `reply_fn` for all active conversations at once
-    (the turns are text and images here: whoever answers tokenises them)."""
-    episodes, games = [], []
-    for i, maze in enumerate(mazes):
-        game = env_settings.make(maze)
-        obs = game.reset()
-        episodes.append(Episode(maze=maze, group_id=i, sample_id=i,
-                                turns=[Turn(text=game.first_text(obs), image=obs.image, cell=game.agent)]))
-        games.append(game)
-    bar = tqdm(total=len(mazes), desc=desc, unit="maze", disable=not progress, leave=False)
-    while active := [i for i, e in enumerate(episodes) if not e.ended]:
-        replies = reply_fn([chat_messages(episodes[i], max_images) for i in active])
-        for i, reply in zip(active, replies):
-            episode, game = episodes[i], games[i]
-            episode.turns[-1].reply = reply
-            obs = game.step(reply)
-            if episode.record_step(game, obs):
-                bar.update(1)
-            else:
-                episode.turns.append(Turn(text=obs.text, image=obs.image, cell=game.agent))
-    bar.close()
-    return episodes
-
-
-def eval_rows(episodes: list, maze_indices: list, max_turns: int) -> list[dict]:
-    """One JSON row per greedy evaluation episode; the trainer, `serve.py eval` and the
-    experiments all write these. A maze whose shortest path (plus the stop) does not fit in
-    max_turns cannot be solved at all (on 9x9 mazes at 15 turns, about 28% of them)."""
-    return [{"maze_index": i, "seed": e.maze.seed, "solved": e.solved, "turns": e.num_turns,
-             "fits_turn_limit": len(env.solve(e.maze)) <= max_turns, "end_reason": e.end_reason,
-             "invalid_actions": e.invalid_actions, "wall_bumps": e.wall_bumps, "replies": e.replies} for i, e in zip(maze_indices, episodes)]
-
-
-def eval_result(rows: list[dict], max_turns: int, **fields) -> dict:
-    """An evaluation's JSON: the rows in maze order, solved of all mazes and of those that fit."""
-    rows = sorted(rows, key=lambda r: r["maze_index"])
-    solved, fitting = sum(r["solved"] for r in rows), sum(r["fits_turn_limit"] for r in rows)
-    return {**fields, "max_turns": max_turns, "solved": solved, "total": len(rows),
-            "solve_rate": solved / max(len(rows), 1), "fitting": fitting,
-            "solve_rate_of_fitting": solved / max(fitting, 1), "mazes": rows}
-
-
 def rollout_metrics(episodes: list) -> dict:
     """Per-batch statistics for logs (means over episodes)."""
     n = max(len(episodes), 1)
@@ -544,48 +451,3 @@ def rollout_metrics(episodes: list) -> dict:
     for reason in ("stop", "turn_limit", "context_limit"):
         metrics[f"end_{reason}"] = sum(e.end_reason == reason for e in episodes) / n
     return metrics
-
-
-class PolicyProbe:
-    """How far one update moved the policy, on fixed held-out states: the first turns of the
-    first `n` evaluation mazes. After each sync the engine gives its distribution over the first
-    reply token in each (the top `top` tokens); `measure` returns, against the previous sync's,
-    the mean KL(before || after) over the states and the share of them whose most likely first
-    token changed (the greedy move flipped). Both distributions are taken over the union of the
-    two top-`top` sets, a token outside one's top set at that set's smallest probability (an upper
-    bound), renormalised: exact when the top sets hold nearly all the mass, as one-move replies do.
-    Cheap: n prompts, one token each."""
-
-    def __init__(self, chat: "ChatFormat", mazes: list, env_settings: visgym.EnvSettings, top: int = 20):
-        self.prompts = []
-        for maze in mazes:
-            game = env_settings.make(maze)
-            obs = game.reset()
-            turn = chat.open_turn(game.first_text(obs), obs.image, game.agent)
-            self.prompts.append({"prompt_token_ids": turn.prompt_ids, "multi_modal_data": {"image": [obs.image]}})
-        self.top, self.banned, self.previous = top, chat.banned_token_ids, None
-
-    def distributions(self, engine, lora_request) -> list[dict] | None:
-        from vllm import SamplingParams
-
-        if not self.prompts:  # probe_states 0: off
-            return None
-        params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=self.top, detokenize=False,
-                                logit_bias=sampling_logit_bias(self.banned))
-        outputs = engine.generate(self.prompts, params, lora_request=lora_request, use_tqdm=False)
-        return [{token: math.exp(lp.logprob) for token, lp in out.outputs[0].logprobs[0].items()} for out in outputs]
-
-    def measure(self, engine, lora_request) -> dict:
-        current, before = self.distributions(engine, lora_request), self.previous
-        self.previous = current
-        if before is None:
-            return {}
-        kls, flips = [], 0
-        for p, q in zip(before, current):
-            support = p.keys() | q.keys()
-            p_all = {t: p.get(t, min(p.values())) for t in support}
-            q_all = {t: q.get(t, min(q.values())) for t in support}
-            zp, zq = sum(p_all.values()), sum(q_all.values())
-            kls.append(sum(p_all[t] / zp * math.log((p_all[t] / zp) / (q_all[t] / zq)) for t in support))
-            flips += max(p, key=p.get) != max(q, key=q.get)
-        return {"probe_kl": sum(kls) / len(kls), "probe_flip_frac": flips / len(kls)}

@@ -19,7 +19,7 @@ whose adapter_config.json is broken is named at start-up and left out; the rest 
 Adapters are only ever read from inside the root, and the routes that would load one from any
 other path are switched off.
 
-The eval client plays `env.eval_mazes` exactly like the trainer's greedy eval (`train.evaluate`):
+The eval client plays `env.eval_mazes` exactly like the trainer's greedy eval (`evaluation.evaluate_run`):
 the same conversations, sampling, parsing and turn limit; only the replies come over HTTP. It
 writes the same JSON rows, so a served adapter can be checked against the eval its run logged.
 Any serve flag not listed in `--help` is passed to vLLM unchanged (e.g. --gpu-memory-utilization).
@@ -40,6 +40,7 @@ import checkpoint
 import config
 import env
 import policy
+import evaluation
 import rollout
 import vllm_engine
 import visgym
@@ -474,8 +475,8 @@ def fix_cpu_lora_for_base_requests():
 
 def http_replies(url: str, model: str, max_new_tokens: int, api_key: str = "", banned_token_ids=(),
                  concurrency: int = 64, timeout_s: float = 600.0):
-    """reply_fn for `rollout.play_chat_episodes`: each conversation is one greedy chat request,
-    with the same sampling as the trainer's `rollout.engine_replies`.
+    """reply_fn for `evaluation.play_chat_episodes`: each conversation is one greedy chat request,
+    with the same sampling as the trainer's `evaluation.engine_replies`.
 
     The requests of a turn go out concurrently (the server batches them) and come back in order.
     """
@@ -512,15 +513,15 @@ def vision_token_ids(url: str, api_key: str = "", processor: str = "") -> list[i
 def evaluate(url: str, model: str, *, difficulty: str = "small", n: int = 64, max_turns: int = 15,
              max_new_tokens: int = 32, max_images: int | None = None, cell_px: int = 0, style: str = "ours",
              api_key: str = "", processor: str = "", concurrency: int = 64, progress: bool = True) -> dict:
-    """Greedy play of the eval mazes through the server: `train.evaluate`'s held-out part (its
+    """Greedy play of the eval mazes through the server: `evaluation.evaluate_run`'s held-out part (its
     `mazes`, `solved`, `total`, ...), without `step`, the training mazes or the sampled rate."""
     mazes = env.eval_mazes(difficulty, n, style)
     banned = vision_token_ids(url, api_key, processor)
-    episodes = rollout.play_chat_episodes(
+    episodes = evaluation.play_chat_episodes(
         mazes, http_replies(url, model, max_new_tokens, api_key, banned, concurrency),
         visgym.EnvSettings(style=style, max_turns=max_turns, cell_px=cell_px), max_images=max_images,
         desc=f"eval {model}", progress=progress)
-    return rollout.eval_result(rollout.eval_rows(episodes, list(range(len(episodes))), max_turns), max_turns,
+    return evaluation.eval_result(evaluation.eval_rows(episodes, list(range(len(episodes))), max_turns), max_turns,
                                model=model, difficulty=difficulty, env_style=style)
 
 

@@ -19,9 +19,10 @@ and a whole in-process vLLM engine (vllm_engine.py), through which rollout.py pl
                      loads it under a new id (vllm_engine.py), and the next update measures the
                      engine's log-probs against the trainer's on the tokens it trains (a step that
                      trains none measures nothing; update.StalePolicyGuard)
-    5. eval / checkpoint / export on their intervals (checkpoint.py), one metrics line per step
-       (rundir.py); over the last average_frac of the steps, what is evaluated and exported is
-       the mean of the policies of those steps (average.py), while rollouts stay on the current one
+    5. eval / checkpoint / export on their intervals (evaluation.py, checkpoint.py), one metrics
+       line per step (rundir.py); over the last average_frac of the steps, what is evaluated and
+       exported is the mean of the policies of those steps (average.py), while rollouts stay on
+       the current one
 
 On a GPU the engine sleeps while the trainer updates (--engine-sleep: by default its weights go
 to host RAM and its KV cache is dropped; vllm_engine.EngineSleep has the other choices) and wakes up
@@ -50,6 +51,7 @@ import branch
 import checkpoint
 import distributed
 import env
+import evaluation
 import grpo
 import policy
 import update
@@ -59,71 +61,6 @@ import rundir
 import visgym
 from config import Config, parse_config
 from distributed import log0
-
-
-# ----------------------------------------------------------------------------- evaluation
-
-def evaluate(cfg, engine, chat, lora_request, step: int, out: Path, run: dict | None = None,
-             last_iterate=None) -> dict:
-    """Greedy play of the fixed evaluation mazes, split over ranks, through the chat API exactly as
-    `serve.py eval` plays them over HTTP (rollout.play_chat_episodes); rank 0 writes the JSON.
-    Beside them, greedy play of the first eval_mazes training mazes (`training_mazes`): a policy
-    that memorises rises there only. With sampled_eval_samples, also the mean solve rate of that
-    many sampled episodes per held-out maze. The file names the run, adapter and base it played.
-    With `last_iterate` (the current policy, when `lora_request` is the tail average), its greedy
-    play of the held-out mazes too: the average against the policy it would otherwise publish."""
-
-    def greedy(mazes: list, desc: str, request=lora_request) -> dict:
-        replies = rollout.engine_replies(engine, request, cfg.max_new_tokens, chat.banned_token_ids)
-        mine = list(range(dist.get_rank(), len(mazes), dist.get_world_size()))
-        episodes = rollout.play_chat_episodes(
-            [mazes[i] for i in mine], replies, visgym.EnvSettings.of(cfg), max_images=cfg.max_images or None,
-            desc=desc, progress=cfg.progress and dist.get_rank() == 0)
-        rows = [row for part in distributed.all_gather_objects(rollout.eval_rows(episodes, mine, cfg.max_turns))
-                for row in part]
-        return rollout.eval_result(rows, cfg.max_turns)
-
-    mazes = env.eval_mazes(cfg.difficulty, cfg.eval_mazes, cfg.env_style)
-    result = {"step": step, "difficulty": cfg.difficulty, "env_style": cfg.env_style, **greedy(mazes, f"eval@{step}")}
-    seen = env.first_training_mazes(cfg.difficulty, min(cfg.train_pool or cfg.eval_mazes, cfg.eval_mazes),
-                                    cfg.eval_mazes, cfg.env_style, cfg.seed)  # a pool's mazes, or the stream's first
-    result["training_mazes"] = greedy(seen, f"training mazes@{step}")
-    if last_iterate is not None:
-        result["last_iterate"] = {"adapter": last_iterate.lora_path,
-                                  **greedy(mazes, f"last iterate@{step}", last_iterate)}
-    if cfg.sampled_eval_samples and (step == 0 or step == cfg.steps):
-        mine = list(range(dist.get_rank(), len(mazes), dist.get_world_size()))
-        sampled = rollout.play_episodes(
-            engine, chat, [mazes[i] for i in mine], mine, visgym.EnvSettings.of(cfg),
-            rollout.Sampling.of(cfg, temperature=cfg.sampled_eval_temperature, seed=cfg.seed + 1),
-            samples_per_maze=cfg.sampled_eval_samples, lora_request=lora_request, desc=f"sampled eval@{step}",
-            progress=False)
-        solved, total = distributed.sum_over_ranks([sum(e.solved for e in sampled), len(sampled)])
-        result["sampled_solve_rate"] = solved / total
-        result["sampled_temperature"] = cfg.sampled_eval_temperature
-    if dist.get_rank() == 0:
-        rundir.eval_file(out, result, run or {"run_id": None, "base": None}, lora_request)
-    train_mazes = result["training_mazes"]
-    log0(f"eval step {step}: solved {result['solved']}/{result['total']} held-out"
-         + (f" (the tail average; the current policy {result['last_iterate']['solved']})" if last_iterate else "")
-         + f", {train_mazes['solved']}/{train_mazes['total']} of the first training mazes")
-    return result
-
-
-def evaluate_published(cfg, engine, chat, lora_request, tail: average.TailAverage, model, step: int, out: Path,
-                       shared: Path, run: dict, base: dict) -> dict:
-    """Evaluate the policy the run publishes after `step`: the current one (`lora_request`), or
-    once the tail average has begun, the average, written beside the syncs and loaded next to the
-    current policy (which the next rollouts use), with the current one's held-out play beside it."""
-    if not tail.active(step):
-        return evaluate(cfg, engine, chat, lora_request, step, out, run)
-    path = shared / "average" / f"step_{step}"
-    policy.write_shared_adapter(model, tail.state, path, cfg.keep_syncs, base, what="the tail average's write")
-    request = vllm_engine.add_adapter(engine, path, f"average-step-{step}", vllm_engine.AVERAGE_ID_OFFSET + step)
-    try:
-        return evaluate(cfg, engine, chat, request, step, out, run, last_iterate=lora_request)
-    finally:
-        engine.llm_engine.remove_lora(request.lora_int_id)
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -205,10 +142,11 @@ def main(cfg: Config):
     lora_request, lora_state, _ = sync(model, engine, shared, start_step, cfg, base)
     # how far each update moves the policy, on fixed held-out first turns (this rank's share)
     probe_mazes = env.eval_mazes(cfg.difficulty, cfg.eval_mazes, cfg.env_style)[:max(cfg.probe_states, world)]
-    probe = rollout.PolicyProbe(chat, probe_mazes[rank::world] if cfg.probe_states else [], visgym.EnvSettings.of(cfg))
+    probe = evaluation.PolicyProbe(chat, probe_mazes[rank::world] if cfg.probe_states else [],
+                                   visgym.EnvSettings.of(cfg))
     probe.measure(engine, lora_request)
     if (start_step == 0 or start_step % cfg.eval_interval == 0) and not rundir.has_eval(out, start_step, run):
-        evaluate_published(cfg, engine, chat, lora_request, tail, model, start_step, out, shared, run, base)
+        evaluation.evaluate_published(cfg, engine, chat, lora_request, tail, model, start_step, out, shared, run, base)
 
     per_rank, run_start = cfg.prompts_per_step // world, time.time()
     stop, stopped, abandoned = rundir.StopRequest(), 0, False  # SIGTERM and the like: rundir.py
@@ -270,8 +208,8 @@ def main(cfg: Config):
             metrics["average_dropped"] = tail.dropped
         published = tail.state if tail.active(done) else lora_state  # what evaluations and exports show
         if done % cfg.eval_interval == 0 or done == cfg.steps:
-            metrics["eval_solve_rate"] = evaluate_published(cfg, engine, chat, lora_request, tail, model, done, out,
-                                                            shared, run, base)["solve_rate"]
+            metrics["eval_solve_rate"] = evaluation.evaluate_published(
+                cfg, engine, chat, lora_request, tail, model, done, out, shared, run, base)["solve_rate"]
         timing["eval_s"], t0 = time.time() - t0, time.time()
         hours += (time.time() - step_start) * world / 3600
         ckpt_tmp = None

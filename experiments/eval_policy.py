@@ -4,7 +4,7 @@
         --difficulty easy --out runs/main/generalisation_easy.json
 
 Greedy play of the fixed evaluation mazes through the same chat path as train.py's evaluation
-and `serve.py eval` (rollout.play_chat_episodes), here with an in-process vLLM engine. Used for
+and `serve.py eval` (evaluation.play_chat_episodes), here with an in-process vLLM engine. Used for
 the generalisation check: a policy trained on one maze size, played on another.
 
 `--training-mazes` plays the first n mazes of the training stream instead (the ones GRPO and SFT
@@ -22,6 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+import evaluation  # noqa: E402
 import rollout  # noqa: E402
 import vllm_engine  # noqa: E402
 
@@ -80,14 +81,14 @@ def main():
     args = parser.parse_args()
 
     engine, lora_request, chat = load_policy(args.model, args.adapter, args.max_turns)
-    replies = rollout.engine_replies(engine, lora_request, args.max_new_tokens, chat.banned_token_ids)
+    replies = evaluation.engine_replies(engine, lora_request, args.max_new_tokens, chat.banned_token_ids)
     which = "training" if args.training_mazes else "evaluation"
     mazes = mazes_played(args.difficulty, args.n, which, args.env_style)
-    episodes = rollout.play_chat_episodes(
+    episodes = evaluation.play_chat_episodes(
         mazes, replies, visgym.EnvSettings(style=args.env_style, max_turns=args.max_turns),
         max_images=args.max_images or None, desc=f"{which} {args.difficulty}")
     solved = sum(e.solved for e in episodes)
-    result = rollout.eval_result(rollout.eval_rows(episodes, list(range(len(episodes))), args.max_turns),
+    result = evaluation.eval_result(evaluation.eval_rows(episodes, list(range(len(episodes))), args.max_turns),
                                  args.max_turns, model=args.model, adapter=args.adapter, difficulty=args.difficulty,
                                  mazes_played=which, env_style=args.env_style)
     print(f"{args.difficulty} {which} mazes: solved {solved}/{len(episodes)}")

@@ -18,8 +18,9 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.mark.slow
 def test_eval_policy_plays_the_held_out_mazes_like_the_trainer(tmp_path, warm_start, engine):
     """experiments/eval_policy.py (the generalisation check) plays greedily through the same chat path
-    as train.py's evaluation: its per-maze replies match rollout.play_chat_episodes on an engine
+    as train.py's evaluation: its per-maze replies match evaluation.play_chat_episodes on an engine
     of our own. A path that is not an adapter is refused with a clear message."""
+    import evaluation
     import rollout
 
     out = tmp_path / "gen" / "easy.json"
@@ -31,7 +32,7 @@ def test_eval_policy_plays_the_held_out_mazes_like_the_trainer(tmp_path, warm_st
     assert result["difficulty"] == "easy" and result["total"] == 2 and len(result["mazes"]) == 2
     assert result["solved"] == sum(m["solved"] for m in result["mazes"])
     chat = rollout.ChatFormat.for_model(str(warm_start))
-    mine = rollout.play_chat_episodes(env.eval_mazes("easy", 2), rollout.engine_replies(engine, None, 8, chat.banned_token_ids),
+    mine = evaluation.play_chat_episodes(env.eval_mazes("easy", 2), evaluation.engine_replies(engine, None, 8, chat.banned_token_ids),
                                       visgym.EnvSettings(max_turns=3), progress=False)
     assert [m["replies"] for m in result["mazes"]] == [e.replies for e in mine]
     assert not list(out.parent.glob("*.tmp-*"))  # written atomically

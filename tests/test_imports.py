@@ -23,10 +23,11 @@ ALLOWED = {
     "update": {"distributed", "grpo", "policy"},
     "branch": {"env", "grpo", "rollout", "visgym"},
     "average": set(),
-    "train": {"average", "branch", "checkpoint", "config", "distributed", "env", "grpo", "policy", "rollout", "rundir",
-              "update", "visgym", "vllm_engine"},
+    "evaluation": {"average", "distributed", "env", "policy", "rollout", "rundir", "visgym", "vllm_engine"},
+    "train": {"average", "branch", "checkpoint", "config", "distributed", "env", "evaluation", "grpo", "policy",
+              "rollout", "rundir", "update", "visgym", "vllm_engine"},
     "sft": {"config", "env", "grpo", "policy", "rollout", "rundir", "visgym"},
-    "serve": {"checkpoint", "config", "env", "policy", "rollout", "visgym", "vllm_engine"},
+    "serve": {"checkpoint", "config", "env", "evaluation", "policy", "rollout", "visgym", "vllm_engine"},
 }
 
 

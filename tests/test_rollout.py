@@ -9,6 +9,7 @@ from transformers import AutoProcessor, GenerationConfig, Qwen3VLForConditionalG
 
 import env
 import grpo
+import evaluation
 import rollout
 import vllm_engine
 import visgym
@@ -185,12 +186,12 @@ def test_chat_episodes_parse_and_score():
     """The eval path (chat messages) with a scripted replier: BFS answers solve every maze."""
     mazes = env.eval_mazes("small", 4)
     plans = {m.seed: env.solve(m) for m in mazes}
-    episodes = rollout.play_chat_episodes(mazes, lambda batch: _scripted(batch, mazes, plans),
+    episodes = evaluation.play_chat_episodes(mazes, lambda batch: _scripted(batch, mazes, plans),
                                           visgym.EnvSettings(max_turns=30), progress=False)
     assert all(e.solved and e.end_reason == "stop" and e.reward == 1.0 for e in episodes)
     assert [e.num_turns for e in episodes] == [len(plans[m.seed]) for m in mazes]
     # a replier that always walks into garbage never solves and hits the turn limit
-    episodes = rollout.play_chat_episodes(mazes, lambda batch: ["no idea"] * len(batch),
+    episodes = evaluation.play_chat_episodes(mazes, lambda batch: ["no idea"] * len(batch),
                                           visgym.EnvSettings(max_turns=3), progress=False)
     assert all(not e.solved and e.end_reason == "turn_limit" and e.invalid_actions == 3 for e in episodes)
 
@@ -210,17 +211,17 @@ def test_an_episode_is_its_turns_read_the_same_way_by_engine_prompts_and_chat_me
                               sequences=[rollout.Sequence([k], [1], [-0.5], [images[k]]) for k in range(3)])
     assert episode.next_prompt(None) == ([10, 7, 20, 11, 7, 21, 12, 7, 22], images)
     assert episode.next_prompt(1) == ([10, 20, 11, 21, 12, 7, 22], images[2:])
-    messages = rollout.chat_messages(episode, max_images=1)
+    messages = evaluation.chat_messages(episode, max_images=1)
     assert [m["role"] for m in messages] == ["user", "assistant"] * 3
     assert [m["content"] for m in messages[1::2]] == ["r0", "r1", "r2"]
     assert [[p["type"] for p in m["content"]] for m in messages[0::2]] == [["text"], ["text"], ["image_url", "text"]]
     assert [m["content"][-1]["text"] for m in messages[0::2]] == ["view 0", "view 1", "view 2"]
-    full = rollout.chat_messages(episode)
+    full = evaluation.chat_messages(episode)
     assert [len(m["content"]) for m in full[0::2]] == [2, 2, 2]
-    assert [m["content"][0]["image_url"]["url"] for m in full[0::2]] == [rollout.image_url(i) for i in images]
+    assert [m["content"][0]["image_url"]["url"] for m in full[0::2]] == [evaluation.image_url(i) for i in images]
     encoded = []  # a conversation resends every image each turn: each is encoded once, then reused
-    monkeypatch.setattr(rollout, "image_url", lambda image: encoded.append(image) or "data:fresh")
-    assert rollout.chat_messages(episode) == full and encoded == []
+    monkeypatch.setattr(evaluation, "image_url", lambda image: encoded.append(image) or "data:fresh")
+    assert evaluation.chat_messages(episode) == full and encoded == []
     branch = episode.prefix(2, sample_id=5)
     assert branch.turns[:2] == turns[:2] and branch.num_turns == 2 and not branch.turns[2].answered
     assert branch.next_prompt(1) == ([10, 20, 11, 21, 12, 7], images[2:])  # waiting for its reply 2
@@ -257,7 +258,7 @@ def test_training_sequences_are_laid_out_from_the_turns():
 
 def _scripted(batch, mazes, plans):
     """Answer each conversation from its maze's BFS plan (the maze is found by its first image)."""
-    first_images = {rollout.image_url(env.render(m, m.start)): m.seed for m in mazes}
+    first_images = {evaluation.image_url(env.render(m, m.start)): m.seed for m in mazes}
     replies = []
     for conv in batch:
         seed = first_images[conv[0]["content"][0]["image_url"]["url"]]
@@ -441,7 +442,7 @@ def test_the_policy_probe_measures_how_far_the_first_move_moved(engine, warm_sta
     nearly all the mass (so the KL is nearly exact), the same policy twice moved by 0, and a known
     change gives its KL and its flipped argmax."""
     _, chat = _chat(warm_start)
-    probe = rollout.PolicyProbe(chat, env.eval_mazes("small", 4), visgym.EnvSettings(), top=20)
+    probe = evaluation.PolicyProbe(chat, env.eval_mazes("small", 4), visgym.EnvSettings(), top=20)
     assert probe.measure(engine, None) == {}  # nothing before the first
     assert all(sum(d.values()) > 0.99 for d in probe.previous)
     assert probe.measure(engine, None) == {"probe_kl": pytest.approx(0, abs=1e-9), "probe_flip_frac": 0}

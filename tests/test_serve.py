@@ -22,6 +22,7 @@ from typing import get_args
 import pytest
 
 import env
+import evaluation
 import rollout
 import serve
 import visgym
@@ -84,7 +85,7 @@ def first_turns(n: int) -> list:
     conversations = []
     for maze in env.eval_mazes("small", n):
         obs = env.MazeEnv(maze).reset()
-        conversations.append([rollout.chat_user_message(env.INSTRUCTIONS + "\n" + obs.text, obs.image)])
+        conversations.append([evaluation.chat_user_message(env.INSTRUCTIONS + "\n" + obs.text, obs.image)])
     return conversations
 
 
@@ -207,10 +208,10 @@ def test_trainer_export_replays_the_trainer_eval(server, base, trained_run):
 def test_eval_over_http_matches_the_in_process_eval(server, base, adapter_root, trained_run, engine, warm_start):
     from transformers import AutoProcessor
 
-    # what train.evaluate does, for an adapter that changes the replies
+    # what evaluation.evaluate_run does, for an adapter that changes the replies
     banned = rollout.ChatFormat(AutoProcessor.from_pretrained(warm_start), []).banned_token_ids
-    offline = rollout.play_chat_episodes(
-        env.eval_mazes("small", 8), rollout.engine_replies(engine, offline_adapter(adapter_root, "a"), 8, banned),
+    offline = evaluation.play_chat_episodes(
+        env.eval_mazes("small", 8), evaluation.engine_replies(engine, offline_adapter(adapter_root, "a"), 8, banned),
         visgym.EnvSettings(max_turns=15), progress=False)
     served = serve.evaluate(server.url, f"{base}:a", **EVAL, api_key=API_KEY, progress=False)
     assert [row["replies"] for row in served["mazes"]] == [e.replies for e in offline]
@@ -273,11 +274,11 @@ def long_conversations(n: int, turns: int) -> list:
     for maze in env.eval_mazes("small", n):
         game = env.MazeEnv(maze, max_turns=turns + 1)
         obs = game.reset()
-        conversation = [rollout.chat_user_message(env.INSTRUCTIONS + "\n" + obs.text, obs.image)]
+        conversation = [evaluation.chat_user_message(env.INSTRUCTIONS + "\n" + obs.text, obs.image)]
         for _ in range(turns):
             obs = game.step("<answer>('move', 0)</answer>")
             conversation += [{"role": "assistant", "content": "<answer>('move', 0)</answer>"},
-                             rollout.chat_user_message(obs.text, obs.image)]
+                             evaluation.chat_user_message(obs.text, obs.image)]
         conversations.append(conversation)
     return conversations
 

@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 import env
+import evaluation
 import update
 import train
 from conftest import SHORT_RUN
@@ -175,8 +176,8 @@ def test_an_evaluation_plays_the_first_training_mazes_too_and_samples_at_its_own
     try:
         cfg = train.Config(eval_mazes=2, sampled_eval_samples=2, temperature=0.5, sampled_eval_temperature=0.8,
                            max_turns=3, max_new_tokens=8, progress=False)
-        result = train.evaluate(cfg, RecordingEngine(), rollout.ChatFormat.for_model(str(warm_start)), None, 0,
-                                tmp_path)
+        result = evaluation.evaluate_run(cfg, RecordingEngine(), rollout.ChatFormat.for_model(str(warm_start)), None, 0,
+                                         tmp_path)
     finally:
         if ours:
             dist.destroy_process_group()

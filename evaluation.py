@@ -1,0 +1,223 @@
+"""Greedy evaluation, through the chat API, and the per-step probe of how far an update moved.
+
+    result = evaluate_published(cfg, engine, chat, lora_request, tail, model, step, out, shared, run, base)
+    serve.py eval: play_chat_episodes(mazes, http_replies, ...) -> eval_rows -> eval_result
+
+Evaluation speaks the chat API: OpenAI-style messages with images as data URLs, replies as text.
+The trainer's eval sends them to its in-process engine (`LLM.chat`); `serve.py`'s eval client
+sends the very same messages to the HTTP server. One code path, so the numbers agree.
+"""
+
+import base64
+import io
+import math
+from pathlib import Path
+
+import torch.distributed as dist
+from tqdm import tqdm
+
+import average
+import distributed
+import env
+import policy
+import rollout
+import rundir
+import visgym
+import vllm_engine
+from distributed import log0
+
+
+# ----------------------------------------------------------------------------- the chat path
+
+def image_url(image) -> str:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def chat_user_message(text: str, image=None, url: str | None = None) -> dict:
+    """A user turn as an OpenAI chat message: its image (if any; or its data URL), then its text."""
+    if image is not None and url is None:
+        url = image_url(image)
+    picture = [{"type": "image_url", "image_url": {"url": url}}] if url is not None else []
+    return {"role": "user", "content": [*picture, {"type": "text", "text": text}]}
+
+
+def engine_replies(engine, lora_request, max_new_tokens: int, banned_token_ids=()):
+    """reply_fn for `play_chat_episodes` backed by an in-process vLLM engine (greedy)."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens,
+                            logit_bias=vllm_engine.sampling_logit_bias(banned_token_ids) or None)
+
+    def reply_fn(conversations: list) -> list:
+        outputs = engine.chat(conversations, params, lora_request=lora_request, use_tqdm=False)
+        return [o.outputs[0].text for o in outputs]
+
+    return reply_fn
+
+
+def chat_messages(episode: rollout.Episode, max_images: int | None = None) -> list:
+    """The episode's turns as OpenAI chat messages, images only in the last k user turns."""
+    first_with_image = len(episode.turns) - max_images if max_images else 0
+    messages = []
+    for t, turn in enumerate(episode.turns):
+        if t >= first_with_image and turn.image_data_url is None:
+            turn.image_data_url = image_url(turn.image)
+        messages.append(chat_user_message(turn.text, url=turn.image_data_url if t >= first_with_image else None))
+        if turn.answered:
+            messages.append({"role": "assistant", "content": turn.reply})
+    return messages
+
+
+def play_chat_episodes(mazes: list, reply_fn, env_settings: visgym.EnvSettings, *, max_images: int | None = None,
+                       desc: str = "eval", progress: bool = True) -> list:
+    """Play each maze once, every turn asking `reply_fn` for all active conversations at once
+    (the turns are text and images here: whoever answers tokenises them)."""
+    episodes, games = [], []
+    for i, maze in enumerate(mazes):
+        game = env_settings.make(maze)
+        obs = game.reset()
+        episodes.append(rollout.Episode(maze=maze, group_id=i, sample_id=i,
+                                turns=[rollout.Turn(text=game.first_text(obs), image=obs.image, cell=game.agent)]))
+        games.append(game)
+    bar = tqdm(total=len(mazes), desc=desc, unit="maze", disable=not progress, leave=False)
+    while active := [i for i, e in enumerate(episodes) if not e.ended]:
+        replies = reply_fn([chat_messages(episodes[i], max_images) for i in active])
+        for i, reply in zip(active, replies):
+            episode, game = episodes[i], games[i]
+            episode.turns[-1].reply = reply
+            obs = game.step(reply)
+            if episode.record_step(game, obs):
+                bar.update(1)
+            else:
+                episode.turns.append(rollout.Turn(text=obs.text, image=obs.image, cell=game.agent))
+    bar.close()
+    return episodes
+
+
+def eval_rows(episodes: list, maze_indices: list, max_turns: int) -> list[dict]:
+    """One JSON row per greedy evaluation episode; the trainer, `serve.py eval` and the
+    experiments all write these. A maze whose shortest path (plus the stop) does not fit in
+    max_turns cannot be solved at all (on 9x9 mazes at 15 turns, about 28% of them)."""
+    return [{"maze_index": i, "seed": e.maze.seed, "solved": e.solved, "turns": e.num_turns,
+             "fits_turn_limit": len(env.solve(e.maze)) <= max_turns, "end_reason": e.end_reason,
+             "invalid_actions": e.invalid_actions, "wall_bumps": e.wall_bumps, "replies": e.replies} for i, e in zip(maze_indices, episodes)]
+
+
+def eval_result(rows: list[dict], max_turns: int, **fields) -> dict:
+    """An evaluation's JSON: the rows in maze order, solved of all mazes and of those that fit."""
+    rows = sorted(rows, key=lambda r: r["maze_index"])
+    solved, fitting = sum(r["solved"] for r in rows), sum(r["fits_turn_limit"] for r in rows)
+    return {**fields, "max_turns": max_turns, "solved": solved, "total": len(rows),
+            "solve_rate": solved / max(len(rows), 1), "fitting": fitting,
+            "solve_rate_of_fitting": solved / max(fitting, 1), "mazes": rows}
+
+
+
+def evaluate_run(cfg, engine, chat, lora_request, step: int, out: Path, run: dict | None = None,
+             last_iterate=None) -> dict:
+    """Greedy play of the fixed evaluation mazes, split over ranks, through the chat API exactly as
+    `serve.py eval` plays them over HTTP (play_chat_episodes); rank 0 writes the JSON.
+    Beside them, greedy play of the first eval_mazes training mazes (`training_mazes`): a policy
+    that memorises rises there only. With sampled_eval_samples, also the mean solve rate of that
+    many sampled episodes per held-out maze. The file names the run, adapter and base it played.
+    With `last_iterate` (the current policy, when `lora_request` is the tail average), its greedy
+    play of the held-out mazes too: the average against the policy it would otherwise publish."""
+
+    def greedy(mazes: list, desc: str, request=lora_request) -> dict:
+        replies = engine_replies(engine, request, cfg.max_new_tokens, chat.banned_token_ids)
+        mine = list(range(dist.get_rank(), len(mazes), dist.get_world_size()))
+        episodes = play_chat_episodes(
+            [mazes[i] for i in mine], replies, visgym.EnvSettings.of(cfg), max_images=cfg.max_images or None,
+            desc=desc, progress=cfg.progress and dist.get_rank() == 0)
+        rows = [row for part in distributed.all_gather_objects(eval_rows(episodes, mine, cfg.max_turns))
+                for row in part]
+        return eval_result(rows, cfg.max_turns)
+
+    mazes = env.eval_mazes(cfg.difficulty, cfg.eval_mazes, cfg.env_style)
+    result = {"step": step, "difficulty": cfg.difficulty, "env_style": cfg.env_style, **greedy(mazes, f"eval@{step}")}
+    seen = env.first_training_mazes(cfg.difficulty, min(cfg.train_pool or cfg.eval_mazes, cfg.eval_mazes),
+                                    cfg.eval_mazes, cfg.env_style, cfg.seed)  # a pool's mazes, or the stream's first
+    result["training_mazes"] = greedy(seen, f"training mazes@{step}")
+    if last_iterate is not None:
+        result["last_iterate"] = {"adapter": last_iterate.lora_path,
+                                  **greedy(mazes, f"last iterate@{step}", last_iterate)}
+    if cfg.sampled_eval_samples and (step == 0 or step == cfg.steps):
+        mine = list(range(dist.get_rank(), len(mazes), dist.get_world_size()))
+        sampled = rollout.play_episodes(
+            engine, chat, [mazes[i] for i in mine], mine, visgym.EnvSettings.of(cfg),
+            rollout.Sampling.of(cfg, temperature=cfg.sampled_eval_temperature, seed=cfg.seed + 1),
+            samples_per_maze=cfg.sampled_eval_samples, lora_request=lora_request, desc=f"sampled eval@{step}",
+            progress=False)
+        solved, total = distributed.sum_over_ranks([sum(e.solved for e in sampled), len(sampled)])
+        result["sampled_solve_rate"] = solved / total
+        result["sampled_temperature"] = cfg.sampled_eval_temperature
+    if dist.get_rank() == 0:
+        rundir.eval_file(out, result, run or {"run_id": None, "base": None}, lora_request)
+    train_mazes = result["training_mazes"]
+    log0(f"eval step {step}: solved {result['solved']}/{result['total']} held-out"
+         + (f" (the tail average; the current policy {result['last_iterate']['solved']})" if last_iterate else "")
+         + f", {train_mazes['solved']}/{train_mazes['total']} of the first training mazes")
+    return result
+
+
+def evaluate_published(cfg, engine, chat, lora_request, tail: average.TailAverage, model, step: int, out: Path,
+                       shared: Path, run: dict, base: dict) -> dict:
+    """Evaluate the policy the run publishes after `step`: the current one (`lora_request`), or
+    once the tail average has begun, the average, written beside the syncs and loaded next to the
+    current policy (which the next rollouts use), with the current one's held-out play beside it."""
+    if not tail.active(step):
+        return evaluate_run(cfg, engine, chat, lora_request, step, out, run)
+    path = shared / "average" / f"step_{step}"
+    policy.write_shared_adapter(model, tail.state, path, cfg.keep_syncs, base, what="the tail average's write")
+    request = vllm_engine.add_adapter(engine, path, f"average-step-{step}", vllm_engine.AVERAGE_ID_OFFSET + step)
+    try:
+        return evaluate_run(cfg, engine, chat, request, step, out, run, last_iterate=lora_request)
+    finally:
+        engine.llm_engine.remove_lora(request.lora_int_id)
+
+
+class PolicyProbe:
+    """How far one update moved the policy, on fixed held-out states: the first turns of the
+    first `n` evaluation mazes. After each sync the engine gives its distribution over the first
+    reply token in each (the top `top` tokens); `measure` returns, against the previous sync's,
+    the mean KL(before || after) over the states and the share of them whose most likely first
+    token changed (the greedy move flipped). Both distributions are taken over the union of the
+    two top-`top` sets, a token outside one's top set at that set's smallest probability (an upper
+    bound), renormalised: exact when the top sets hold nearly all the mass, as one-move replies do.
+    Cheap: n prompts, one token each."""
+
+    def __init__(self, chat: rollout.ChatFormat, mazes: list, env_settings: visgym.EnvSettings, top: int = 20):
+        self.prompts = []
+        for maze in mazes:
+            game = env_settings.make(maze)
+            obs = game.reset()
+            turn = chat.open_turn(game.first_text(obs), obs.image, game.agent)
+            self.prompts.append({"prompt_token_ids": turn.prompt_ids, "multi_modal_data": {"image": [obs.image]}})
+        self.top, self.banned, self.previous = top, chat.banned_token_ids, None
+
+    def distributions(self, engine, lora_request) -> list[dict] | None:
+        from vllm import SamplingParams
+
+        if not self.prompts:  # probe_states 0: off
+            return None
+        params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=self.top, detokenize=False,
+                                logit_bias=vllm_engine.sampling_logit_bias(self.banned))
+        outputs = engine.generate(self.prompts, params, lora_request=lora_request, use_tqdm=False)
+        return [{token: math.exp(lp.logprob) for token, lp in out.outputs[0].logprobs[0].items()} for out in outputs]
+
+    def measure(self, engine, lora_request) -> dict:
+        current, before = self.distributions(engine, lora_request), self.previous
+        self.previous = current
+        if before is None:
+            return {}
+        kls, flips = [], 0
+        for p, q in zip(before, current):
+            support = p.keys() | q.keys()
+            p_all = {t: p.get(t, min(p.values())) for t in support}
+            q_all = {t: q.get(t, min(q.values())) for t in support}
+            zp, zq = sum(p_all.values()), sum(q_all.values())
+            kls.append(sum(p_all[t] / zp * math.log((p_all[t] / zp) / (q_all[t] / zq)) for t in support))
+            flips += max(p, key=p.get) != max(q, key=q.get)
+        return {"probe_kl": sum(kls) / len(kls), "probe_flip_frac": flips / len(kls)}
