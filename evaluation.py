@@ -180,21 +180,24 @@ def evaluate_published(cfg, engine, chat, lora_request, tail: average.TailAverag
 
 class PolicyProbe:
     """How far one update moved the policy, on fixed held-out states: the first turns of the
-    first `n` evaluation mazes. After each sync the engine gives its distribution over the first
-    reply token in each (the top `top` tokens); `measure` returns, against the previous sync's,
-    the mean KL(before || after) over the states and the share of them whose most likely first
-    token changed (the greedy move flipped). Both distributions are taken over the union of the
-    two top-`top` sets, a token outside one's top set at that set's smallest probability (an upper
-    bound), renormalised: exact when the top sets hold nearly all the mass, as one-move replies do.
-    Cheap: n prompts, one token each."""
+    first `n` evaluation mazes, each with the reply begun up to `<answer>` (ChatFormat.reply_tokens),
+    so that the next token is the move (the tiny model's replies start with `<answer>` every time:
+    the reply's own first token says nothing). After each sync the engine gives its distribution
+    over that token (the top `top` tokens); `measure` returns, against the previous sync's, the
+    mean KL(before || after) over the states and the share of them whose most likely move changed
+    (the greedy move flipped). Both distributions are taken over the union of the two top-`top`
+    sets, a token outside one's top set at that set's smallest probability (an upper bound),
+    renormalised: exact when the top sets hold nearly all the mass, as a move does. Cheap: n
+    prompts, one token each. (A real model's move may take several tokens; its first is probed.)"""
 
     def __init__(self, chat: rollout.ChatFormat, mazes: list, env_settings: visgym.EnvSettings, top: int = 20):
-        self.prompts = []
+        self.prompts, (_, answer_id) = [], chat.reply_tokens()
         for maze in mazes:
             game = env_settings.make(maze)
             obs = game.reset()
             turn = chat.open_turn(game.first_text(obs), obs.image, game.agent)
-            self.prompts.append({"prompt_token_ids": turn.prompt_ids, "multi_modal_data": {"image": [obs.image]}})
+            self.prompts.append({"prompt_token_ids": turn.prompt_ids + [answer_id],
+                                 "multi_modal_data": {"image": [obs.image]}})
         self.top, self.banned, self.previous = top, chat.banned_token_ids, None
 
     def distributions(self, engine, lora_request) -> list[dict] | None:

@@ -438,12 +438,16 @@ def test_the_engine_is_built_with_vllms_native_top_k_top_p_sampler(monkeypatch):
 
 
 def test_the_policy_probe_measures_how_far_the_first_move_moved(engine, warm_start, monkeypatch):
-    """The engine's own first-token distributions on held-out first turns: the top set holds
-    nearly all the mass (so the KL is nearly exact), the same policy twice moved by 0, and a known
-    change gives its KL and its flipped argmax."""
+    """The engine's own distributions over the move on held-out first turns: the likeliest token
+    is a move, not the reply's fixed opening; the top set holds nearly all the mass (so the KL is
+    nearly exact), the same policy twice moved by 0, and a known change gives its KL and its
+    flipped argmax."""
     _, chat = _chat(warm_start)
     probe = evaluation.PolicyProbe(chat, env.eval_mazes("small", 4), visgym.EnvSettings(), top=20)
     assert probe.measure(engine, None) == {}  # nothing before the first
+    reply_ids, answer_id = chat.reply_tokens()
+    moves = {ids[ids.index(answer_id) + 1] for ids in reply_ids.values()}  # the token after <answer>
+    assert all(max(d, key=d.get) in moves for d in probe.previous)
     assert all(sum(d.values()) > 0.99 for d in probe.previous)
     assert probe.measure(engine, None) == {"probe_kl": pytest.approx(0, abs=1e-9), "probe_flip_frac": 0}
     before = [{1: 0.7, 2: 0.3}, {1: 0.5, 2: 0.5}]
