@@ -98,10 +98,10 @@ def choose_points(episodes: list, per_group: int) -> list[tuple[int, int]]:
             for t, turn in enumerate(e.played):
                 if not (is_fork(e.maze, turn.cell) or (stopped_off_goal and t == e.num_turns - 1)):
                     continue
-                seen = cells.setdefault(turn.cell, [(t, i), set(), False])
-                seen[0] = min(seen[0], (t, i))
-                seen[1].add(turn.reply)
-                seen[2] |= not e.solved
+                visits = cells.setdefault(turn.cell, [(t, i), set(), False])
+                visits[0] = min(visits[0], (t, i))
+                visits[1].add(turn.reply)
+                visits[2] |= not e.solved
         ranked = sorted(cells.values(), key=lambda c: (not (len(c[1]) > 1 or c[2]), c[0]))
         points += [(i, t) for (t, i), _, _ in ranked[:per_group]]
     return points

@@ -137,9 +137,9 @@ def evaluate_run(cfg, engine, chat, lora_request, step: int, out: Path, run: dic
 
     mazes = env.eval_mazes(cfg.difficulty, cfg.eval_mazes, cfg.env_style)
     result = {"step": step, "difficulty": cfg.difficulty, "env_style": cfg.env_style, **greedy(mazes, f"eval@{step}")}
-    seen = env.first_training_mazes(cfg.difficulty, min(cfg.train_pool or cfg.eval_mazes, cfg.eval_mazes),
+    first_training = env.first_training_mazes(cfg.difficulty, min(cfg.train_pool or cfg.eval_mazes, cfg.eval_mazes),
                                     cfg.eval_mazes, cfg.env_style, cfg.seed)  # a pool's mazes, or the stream's first
-    result["training_mazes"] = greedy(seen, f"training mazes@{step}")
+    result["training_mazes"] = greedy(first_training, f"training mazes@{step}")
     if last_iterate is not None:
         result["last_iterate"] = {"adapter": last_iterate.lora_path,
                                   **greedy(mazes, f"last iterate@{step}", last_iterate)}

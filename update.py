@@ -200,9 +200,9 @@ def grpo_update(cfg, model, optimizer, scheduler, batch: Batch, experiences: lis
 
     measure_every_sequence runs the zero-advantage sequences too (their gradient is still exactly
     zero), so that the mismatch covers every sampled token: StalePolicyGuard's calibration step."""
-    before = {}
+    old_pass_mismatch = {}  # single pass: measured during the update instead
     if not single_pass(cfg):
-        before = fill_old_logprobs(model, batch, experiences, cfg, device, with_ref=cfg.kl_coef > 0)
+        old_pass_mismatch = fill_old_logprobs(model, batch, experiences, cfg, device, with_ref=cfg.kl_coef > 0)
     model.train()
     params = [p for group in optimizer.param_groups for p in group["params"]]
     per_mini = num_episodes // cfg.num_mini_batches
@@ -246,7 +246,7 @@ def grpo_update(cfg, model, optimizer, scheduler, batch: Batch, experiences: lis
     neutral = {"ratio_mean": 1.0, "tis_weight_mean": 1.0}  # what a step that trained nothing reports
     out = {k: sum(v) / len(v) if v else neutral.get(k, 0.0) for k, v in stats.items()}
     out.update(lr=scheduler.get_last_lr()[0], trained_sequence_frac=trained / max(len(experiences), 1))
-    out.update(mismatch.result() if single_pass(cfg) else before)
+    out.update(mismatch.result() if single_pass(cfg) else old_pass_mismatch)
     if torch.cuda.is_available():
         optimizer.zero_grad(set_to_none=True)  # the gradients are spent: free them for the engine
         torch.cuda.empty_cache()  # and the trainer's cached blocks (vLLM's wake_up does it too)
