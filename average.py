@@ -4,11 +4,13 @@ Between two evaluations of a GRPO run a quarter of the held-out mazes flip, solv
 back, while the count moves by a few: the greedy policy sits on near-ties that each update's noise
 tips one way or the other, so the last step's policy is a draw from the run's recent ones, not
 their best. The learning rate's decay to 0 (config.lr_schedule) quiets the last updates; averaging
-the policies of the last steps (Polyak-Ruppert tail averaging) removes more of the noise, and the
-exact mean of a run's step-100 and step-150 adapters solves as many held-out mazes as its best
-evaluation (docs/experiments.md, 2026-12-05). So rollouts and updates stay on the current policy
-(on-policy), and the average is what the run evaluates, exports and serves from the first step of
-its last `average_frac` on.
+the policies of the last steps (Polyak-Ruppert tail averaging) removes more of the noise. Whether
+that beats the last step's own policy is not settled: the exact mean of a run's step-100 and
+step-150 adapters solved as many held-out mazes as its best evaluation, but in three later runs the
+tail average trailed the last policy at the final step, while that policy was still improving
+(docs/experiments.md, 2026-12-05 and 2026-12-06); `--average-frac 0` publishes the last policy.
+Rollouts and updates stay on the current policy (on-policy); the average is what the run
+evaluates, exports and serves from the first step of its last `average_frac` on.
 
 A LoRA delta is s B A (s = PEFT's alpha / r, the same for every step of a run), so the mean of n
 deltas is itself a LoRA of rank n r:
@@ -21,11 +23,10 @@ The engine and the exports take rank r, so the mean is kept as its best rank-r a
     M_n = trunc_r( (n-1)/n M_{n-1} + 1/n B_n A_n )
 
 The sum inside has rank 2r, and truncating a product of thin factors is cheap: a QR of each
-stacked factor and an SVD of the 2r x 2r core between them, never the full out x in matrix (an 8B
-model's 252 modules take well under a second). Consecutive policies are close, so little is
-dropped; what is, as a share of the mean's norm, is logged (`average_dropped`). The mean of the
-factors (mean A, mean B) would be cheaper still but is not the mean of the deltas: it holds the
-cross terms B_i A_j.
+stacked factor and an SVD of the 2r x 2r core between them, never the full out x in matrix.
+Consecutive policies are close, so little is dropped; what is, as a share of the mean's norm, is
+logged (`average_dropped`). The mean of the factors (mean A, mean B) would be cheaper still but is
+not the mean of the deltas: it holds the cross terms B_i A_j.
 """
 
 import torch
