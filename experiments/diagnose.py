@@ -23,7 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import rollout  # noqa: E402
+import evaluation  # noqa: E402
 
 import env  # noqa: E402
 from experiments.eval_policy import load_policy, policy_arguments  # noqa: E402
@@ -48,7 +48,7 @@ def play(engine, lora_request, chat, mazes, variant: str, max_turns: int) -> lis
     action_of = {chat.tokenizer.convert_tokens_to_ids(a): a for a in env.ACTION_STRINGS}
     games = [env.MazeEnv(m, max_turns=max_turns) for m in mazes]
     first = [g.reset() for g in games]
-    conversations = [[rollout.chat_user_message(env.INSTRUCTIONS + "\n" + obs.text, obs.image)] for obs in first]
+    conversations = [[evaluation.chat_user_message(env.INSTRUCTIONS + "\n" + obs.text, obs.image)] for obs in first]
     made = [{} for _ in mazes]  # per episode: cell -> moves already made from it
     while active := [i for i, g in enumerate(games) if not g.done]:
         outputs = engine.chat([conversations[i] for i in active], params, lora_request=lora_request, use_tqdm=False)
@@ -67,7 +67,7 @@ def play(engine, lora_request, chat, mazes, variant: str, max_turns: int) -> lis
             obs = games[i].step(reply)  # moves games[i].agent
             conversations[i].append({"role": "assistant", "content": reply})
             if not games[i].done:
-                conversations[i].append(rollout.chat_user_message(obs.text, obs.image))
+                conversations[i].append(evaluation.chat_user_message(obs.text, obs.image))
     return [g.solved for g in games]
 
 
