@@ -1,4 +1,4 @@
-"""Files that must survive a crash: atomic writes, checkpoints that verify themselves, pruning.
+"""Checkpoints that survive a crash and verify themselves, and the adapters a run exports.
 
     <out>/checkpoints/step_<N>/   adapter_config.json, adapter_model.safetensors (LoRA),
                                   trainer_state.pt (optimizer, LR schedule, RNG states),
@@ -11,7 +11,8 @@ is written last, so a dir without it was cut short. `latest` moves only after th
 Bit rot or a damaged copy after publication is caught by the hashes: on resume the newest
 checkpoint that verifies is used, and each one that does not is named in one line.
 
-The run directory around them (its lock, its logs, which files belong to which run) is rundir.py's.
+The atomic writes themselves are storage.py's; the run directory around the checkpoints (its lock,
+its logs, which files belong to which run) is rundir.py's.
 """
 
 import dataclasses
@@ -19,8 +20,6 @@ import hashlib
 import json
 import os
 import random
-import re
-import shutil
 import uuid
 from pathlib import Path
 
@@ -32,113 +31,12 @@ from safetensors.torch import load_file, save_file
 
 import config
 import distributed
+import storage
 
 # The adapter directory's record of the base it was trained on (serve.py refuses a mismatch).
 BASE_MODEL_FILE = "base_model.json"
 AVERAGE_FILE = "average_model.safetensors"  # a checkpoint's tail average (average.py), beside the LoRA
 
-
-class WriteError(OSError):
-    """A file that matters could not be written (disk full, a quota, read-only, ...); nothing was
-    published. Its message is the one line a user sees (train.py stops with it): what, where,
-    why, the free space there, and what was kept."""
-
-
-def write_error(what: str, path: Path, error: Exception, kept: str) -> WriteError:
-    reason = getattr(error, "strerror", None)
-    # safetensors (Rust) names the OS error inside its own text: "... (os error 28)", "code: 28, ..."
-    code = re.search(r"os error (\d+)|code: (\d+)", str(error))
-    if not reason and code:
-        reason = os.strerror(int(code.group(1) or code.group(2)))
-    reason = reason or (str(error).strip().splitlines() or [type(error).__name__])[0]
-    return WriteError(f"{what} {path} not written ({reason}; {free_space(path)}); {kept}")
-
-
-def free_space(path: Path) -> str:
-    """'N MB free there' for the filesystem that holds `path` (or its nearest existing parent)."""
-    for place in (path, *path.parents):
-        try:
-            return f"{shutil.disk_usage(place).free / 2**20:.0f} MB free there"
-        except OSError:
-            continue
-    return "free space unknown"
-
-
-# ----------------------------------------------------------------------------- atomic files
-
-def atomic_write_text(path: Path, text: str):
-    """Write `path` whole or not at all (temp file, fsync, rename); WriteError if the disk refuses."""
-    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
-    try:
-        with open(tmp, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
-        if isinstance(e, WriteError):
-            raise
-        raise write_error("file", path, e, "the previous version, if any, is untouched") from e
-
-
-def fsync_path(path: Path):
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def fsync_dir(path: Path):
-    for p in [*path.rglob("*"), path]:
-        fsync_path(p)
-
-
-def remove_dir(path: Path):
-    """Delete a dir without ever showing a half-deleted one under its name: hide it, then delete."""
-    trash = path.with_name(f".{path.name}.trash-{uuid.uuid4().hex[:8]}")
-    os.replace(path, trash)
-    shutil.rmtree(trash, ignore_errors=True)
-
-
-def remove_tmp(tmp: Path):
-    shutil.rmtree(tmp, ignore_errors=True)
-
-
-def publish_dir(tmp: Path, final: Path):
-    """Make a fully written temp dir visible under its final name in one rename."""
-    fsync_dir(tmp)
-    if final.exists():
-        remove_dir(final)
-    os.replace(tmp, final)
-    fsync_path(final.parent)  # the rename itself is on disk before anything (`latest`) names it
-
-
-def prune(parent: Path, prefix: str, keep: int, current: int | None = None):
-    """Keep the newest `keep` <prefix><N> dirs. Call only from the one process that writes `parent`:
-    it also deletes the hidden temp dirs of writes that a crash cut short. (Another trainer's
-    temp dir mid-write would look the same; the run lock, `open_run`, keeps a second trainer out
-    of the run dir, so there is none.)
-
-    With `current` (the step just written), dirs numbered above it are deleted first: they are
-    left over from a run that got further than the checkpoint this one resumed from, and would
-    otherwise count as the newest and push out the dir just written."""
-    for stale in parent.glob(f".{prefix}*"):
-        shutil.rmtree(stale, ignore_errors=True)
-    numbered = sorted((int(p.name[len(prefix):]), p) for p in parent.glob(prefix + "*")
-                      if p.name[len(prefix):].isdigit())
-    done = []
-    for number, path in numbered:
-        if current is not None and number > current:
-            remove_dir(path)  # abandoned
-        else:
-            done.append(path)
-    for old in done[:-keep]:
-        remove_dir(old)
-
-
-# ----------------------------------------------------------------------------- content hashes
 
 def file_digest(path: Path) -> dict:
     h = hashlib.sha256()
@@ -213,10 +111,10 @@ def write_adapter(model, state: dict, final_dir: Path, base_model: dict):
     try:
         tmp.mkdir()
         write_adapter_files(model, state, tmp, base_model)
-        publish_dir(tmp, final_dir)
+        storage.publish_dir(tmp, final_dir)
     except (OSError, SafetensorError) as e:  # safetensors reports a full disk as its own error
-        remove_tmp(tmp)
-        raise write_error("adapter", final_dir, e, "the previous one is untouched") from e
+        storage.remove_tmp(tmp)
+        raise storage.write_error("adapter", final_dir, e, "the previous one is untouched") from e
 
 
 def load_lora_state(model, adapter_file: Path):
@@ -251,13 +149,13 @@ def save(cfg, model, optimizer, scheduler, lora_state, step, stream, hours, out:
     trainer_state = {"optimizer": optim_state, "scheduler": scheduler.state_dict(), "rng": rngs}
     return distributed.on_rank0(lambda: write_checkpoint(out, step, model, lora_state, trainer_state, meta, base,
                                                          average.state if average and average.count else None),
-                                WriteError)
+                                storage.WriteError)
 
 
 def write_checkpoint(out: Path, step: int, model, lora_state: dict, trainer_state: dict, meta: dict, base,
                      average_state: dict | None = None) -> Path:
     """The checkpoint's files in a hidden temp dir, sealed (meta.json last); returns the dir. If
-    the disk refuses (full, read-only), the temp dir goes and WriteError says so."""
+    the disk refuses (full, read-only), the temp dir goes and storage.WriteError says so."""
     tmp = out / "checkpoints" / f".step_{step}.tmp-{uuid.uuid4().hex[:8]}"
     try:
         tmp.mkdir(parents=True)
@@ -268,13 +166,14 @@ def write_checkpoint(out: Path, step: int, model, lora_state: dict, trainer_stat
         seal(tmp, meta)
         return tmp
     except (OSError, RuntimeError, SafetensorError) as e:  # torch.save reports a failed write as a RuntimeError
-        remove_tmp(tmp)
-        raise write_error(f"checkpoint step_{step}", out / "checkpoints", e,
+        storage.remove_tmp(tmp)
+        raise storage.write_error(f"checkpoint step_{step}", out / "checkpoints", e,
                           "the previous one stays the newest") from e
 
 
-def load(path: Path, cfg, model, optimizer, scheduler, stream, log=print) -> tuple[int, float]:
-    """Restore LoRA, optimizer, schedule, RNG states and maze stream; returns (step, hours).
+def load(path: Path, cfg, model, optimizer, scheduler, stream, log=print) -> dict:
+    """Restore LoRA, optimizer, schedule, RNG states and maze stream; returns the checkpoint's
+    meta.json (its step, process_hours, mismatch_bound and average_count among them).
 
     A checkpoint written with other meaningful settings (config.meaningful_fields) is refused
     unless cfg.resume_allow_changes; then the new learning rate and schedule take effect from here.
@@ -307,18 +206,14 @@ def load(path: Path, cfg, model, optimizer, scheduler, stream, log=print) -> tup
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     log(f"resumed from {path} at step {meta['step']} (training maze stream at {stream.position}"
         + (f", torchrun restart {restart})" if restart != "0" else ")"))
-    return meta["step"], meta["process_hours"]
+    return meta
 
 
-def load_average(path: Path | None) -> dict:
-    """The tail average a checkpoint holds (average.TailAverage's state and count), or none."""
-    count = saved_meta(path).get("average_count", 0) if path else 0
+def load_average(path: Path, meta: dict) -> dict:
+    """The tail average the checkpoint at `path` (its meta.json: `meta`) holds, as
+    average.TailAverage's state and count; none if it holds none."""
+    count = meta.get("average_count", 0)
     return {"state": load_file(str(path / AVERAGE_FILE)), "count": count} if count else {}
-
-
-def saved_meta(path: Path) -> dict:
-    """A (verified) checkpoint's meta.json."""
-    return json.loads((path / "meta.json").read_text())
 
 
 def rng_states() -> dict:
@@ -343,7 +238,7 @@ def seal(tmp: Path, meta: dict):
     """Record every file's size and hash in meta.json, written last, then fsync the dir."""
     meta = {**meta, "files": {p.name: file_digest(p) for p in sorted(tmp.iterdir()) if p.is_file()}}
     (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
-    fsync_dir(tmp)
+    storage.fsync_dir(tmp)
 
 
 def publish(out: Path, tmp: Path, step: int, keep: int):
@@ -351,12 +246,12 @@ def publish(out: Path, tmp: Path, step: int, keep: int):
     names a complete dir), then drop old ones."""
     root = out / "checkpoints"
     try:
-        publish_dir(tmp, root / f"step_{step}")
-        atomic_write_text(root / "latest", f"step_{step}")
+        storage.publish_dir(tmp, root / f"step_{step}")
+        storage.atomic_write_text(root / "latest", f"step_{step}")
     except OSError as e:
-        remove_tmp(tmp)
-        raise write_error(f"checkpoint step_{step}", root, e, "`latest` still names the previous one") from e
-    prune(root, "step_", keep, current=step)
+        storage.remove_tmp(tmp)
+        raise storage.write_error(f"checkpoint step_{step}", root, e, "`latest` still names the previous one") from e
+    storage.prune(root, "step_", keep, current=step)
 
 
 ARCHIVE_DIR = "archive"  # earlier runs moved aside by --archive-old-run (rundir.archive_run)

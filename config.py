@@ -6,7 +6,7 @@
 Each field carries its own --help text and says whether it is *meaningful*: whether a different
 value on resume would change what the run is (the learning rate, the group size, the maze size)
 rather than only how it is carried out (the number of steps, intervals, paths, memory); --help
-marks those "[fixed on resume]". A checkpoint refuses to resume with other meaningful settings
+marks those "[fixed on resume]", and the switches the recipe leaves off "[inactive in the recipe]". A checkpoint refuses to resume with other meaningful settings
 (checkpoint.config_changes, unless --resume-allow-changes true), and it learns which fields those
 are from here: a field added with `meaningful=True` is guarded without editing a second list.
 
@@ -26,10 +26,13 @@ import env
 import vllm_engine
 
 
-def setting(default, help: str, *, meaningful: bool = False):
-    """A Config field: its default, its --help text, and whether changing it on resume changes the
-    run's meaning (then a checkpoint refuses the change unless --resume-allow-changes true)."""
-    return dataclasses.field(default=default, metadata={"help": help, "meaningful": meaningful})
+def setting(default, help: str, *, meaningful: bool = False, inactive: bool = False):
+    """A Config field: its default, its --help text, whether changing it on resume changes the
+    run's meaning (then a checkpoint refuses the change unless --resume-allow-changes true), and
+    whether the recipe leaves it inactive (a switch for experiments: off, or one that never acts
+    at the recipe's other settings); --help marks it so."""
+    return dataclasses.field(default=default, metadata={"help": help, "meaningful": meaningful,
+                                                        "inactive": inactive})
 
 
 # The fields' defaults are the tiny main job's recipe (launch/run.sh). A real Qwen3-VL (a language
@@ -65,15 +68,16 @@ class TaskConfig:
                               meaningful=True)
     env_style: str = setting("ours", "ours | visgym: VisGym's maze for a seed, drawing, texts and parser (env.py)",
                              meaningful=True)
-    cell_px: int = setting(0, "cell size in pixels; 0: the style's own (32 ours: one cell per merged visual "
-                              "token; 25 visgym)", meaningful=True)
+    cell_px: int = setting(env.CELL_PX_TINY, f"cell size in pixels: {env.CELL_PX_TINY} for style ours (one cell per merged "
+                                        f"visual token); with --env-style visgym and no --cell-px, VisGym's "
+                                        f"{env.CELL_PX_VISGYM}", meaningful=True)
     max_turns: int = setting(15, "turns per episode, in training and evaluation", meaningful=True)
     max_new_tokens: int = setting(8, "tokens per reply (the tiny model's reply is one move)", meaningful=True)
     max_model_len: int = setting(4096, "the engine's context length (prompt, images and replies)")
     max_images: int = setting(0, "keep only the last k images in the conversation; 0: the full history",
                               meaningful=True)
     train_pool: int = setting(0, "0: an endless stream of new training mazes; N: the first N over and over",
-                              meaningful=True)
+                              meaningful=True, inactive=True)
 
 
 @dataclass
@@ -87,12 +91,13 @@ class GRPOConfig:
                                  meaningful=True)
     scale_adv_by_std: bool = setting(True, "divide advantages by the group's std (false: Dr. GRPO)",
                                      meaningful=True)
-    clip_eps_low: float = setting(0.2, "PPO clip: the ratio's lower bound is 1 - this", meaningful=True)
+    clip_eps_low: float = setting(0.2, "PPO clip: the ratio's lower bound is 1 - this (the clip acts only with "
+                                       "num_mini_batches or ppo_epochs above 1)", meaningful=True, inactive=True)
     clip_eps_high: float = setting(0.2, "PPO clip: the upper bound is 1 + this (> clip_eps_low: DAPO's "
-                                        "clip-higher)", meaningful=True)
+                                        "clip-higher)", meaningful=True, inactive=True)
     loss_aggregation: str = setting("token-mean", "token-mean | seq-mean", meaningful=True)
     kl_coef: float = setting(0.0, "k3 KL to the base model (LoRA disabled); 0 skips the reference pass",
-                             meaningful=True)
+                             meaningful=True, inactive=True)
     step_adv_weight: float = setting(1.0, "GiGPO: A_t = A_episode + w * A_step_t; 0: plain GRPO", meaningful=True)
     gamma: float = setting(0.95, "discount of the per-turn returns G_t = sum_k gamma^(k-t) r_k (step advantages)",
                            meaningful=True)
@@ -110,7 +115,7 @@ class GRPOConfig:
 class OptimConfig:
     _argument_group_name = "optimisation"
     lr: float = setting(1e-3, "peak learning rate (AdamW over the LoRA weights)", meaningful=True)
-    weight_decay: float = setting(0.0, "AdamW weight decay", meaningful=True)
+    weight_decay: float = setting(0.0, "AdamW weight decay", meaningful=True, inactive=True)
     warmup_steps: int = setting(10, "linear warm-up from 0, in optimizer steps", meaningful=True)
     lr_schedule: str = setting("wsd", "after the warm-up: wsd (constant, then a cosine decay to 0 over the last "
                                       "decay_frac of the steps) | cosine (a decay to 0 over all of them) | constant "
@@ -123,9 +128,9 @@ class OptimConfig:
                                   meaningful=True)
     max_grad_norm: float = setting(1.0, "gradient clipping", meaningful=True)
     num_mini_batches: int = setting(1, "optimizer steps per pass over the rollout batch; > 1: the PPO clip acts",
-                                    meaningful=True)
+                                    meaningful=True, inactive=True)
     ppo_epochs: int = setting(1, "passes over each rollout batch (PPO's sample reuse; the clip bounds the drift)",
-                              meaningful=True)
+                              meaningful=True, inactive=True)
     micro_batch_size: int = setting(16, "sequences per forward/backward (memory only: the gradient is the same)")
     micro_batch_tokens: int = setting(0, "and at most this many tokens, padded, per forward/backward (memory "
                                          "only); 0: no limit")
@@ -136,8 +141,9 @@ class LoRAConfig:
     _argument_group_name = "LoRA and sharding"
     lora_rank: int = setting(32, f"LoRA rank (the published recipe's); vLLM takes {list(vllm_engine.VLLM_LORA_RANKS)}",
                              meaningful=True)
-    lora_alpha: int = setting(0, "LoRA alpha; 0: 2 x rank (PEFT's scale alpha / rank is then 2)", meaningful=True)
-    lora_dropout: float = setting(0.0, "dropout on the LoRA input", meaningful=True)
+    lora_alpha: int = setting(64, "LoRA alpha; with --lora-rank r and no --lora-alpha, 2 x r (PEFT's scale "
+                                  "alpha / rank is then 2)", meaningful=True)
+    lora_dropout: float = setting(0.0, "dropout on the LoRA input", meaningful=True, inactive=True)
     lora_targets: str = setting(vllm_engine.LORA_TARGET_REGEX, "the modules that get a LoRA (a regex)", meaningful=True)
     shard_group_size: int = setting(0, "processes that shard one copy of the policy; 0: one node (HSDP)")
 
@@ -255,14 +261,20 @@ class Config(*reversed(SECTIONS)):
 
     def apply_recipe(self, name: str):
         """RECIPES[name]'s values, for every field a command line did not set (parse_config records
-        which it did; a Config built in code counts the fields that differ from their defaults)."""
+        which it did; a Config built in code counts the fields that differ from their defaults);
+        then the two defaults that follow another field: LoRA alpha the rank, cell_px the style."""
         defaults = {f.name: f.default for f in dataclasses.fields(self)}
         given = getattr(self, "given", None)
+        if given is None:
+            given = {name for name, default in defaults.items() if getattr(self, name) != default}
         for field, value in RECIPES[name].items():
-            if field not in given if given is not None else getattr(self, field) == defaults[field]:
+            if field not in given:
                 setattr(self, field, value)
         self.recipe = name
-        self.lora_alpha = self.lora_alpha or 2 * self.lora_rank
+        if "lora_alpha" not in given:
+            self.lora_alpha = 2 * self.lora_rank
+        if "cell_px" not in given:
+            self.cell_px = env.cell_px_of(self.env_style)
 
 
 def meaningful_fields() -> list[str]:
@@ -295,13 +307,14 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
 
 
 class ConfigParser(HfArgumentParser):
-    """HfArgumentParser that keeps our own metadata key out of argparse (saying in the help which
-    fields are meaningful), and reports a bad flag or value in one line ('bad config: ...')
+    """HfArgumentParser that keeps our own metadata keys out of argparse (saying in the help which
+    fields are meaningful and which inactive), and reports a bad flag or value in one line ('bad config: ...')
     instead of argparse's usage text and exit 2."""
 
     @staticmethod
     def _parse_dataclass_field(parser, field: dataclasses.Field):
-        help = field.metadata["help"] + (" [fixed on resume]" if field.metadata["meaningful"] else "")
+        help = (field.metadata["help"] + (" [fixed on resume]" if field.metadata["meaningful"] else "")
+                + (" [inactive in the recipe]" if field.metadata["inactive"] else ""))
         plain = dataclasses.field(default=field.default, metadata={"help": help})
         plain.name, plain.type = field.name, field.type
         HfArgumentParser._parse_dataclass_field(parser, plain)

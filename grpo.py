@@ -261,20 +261,11 @@ def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, resp
     surr_clipped = torch.clamp(ratio, 1 - clip_eps_low, 1 + clip_eps_high) * A
     per_token = -torch.minimum(surr_unclipped, surr_clipped)
 
-    # Truncated importance sampling (Yao et al. 2025, "Your Efficient RL Framework Secretly Brings
-    # You Off-Policy RL Training"; verl's and SkyRL's TIS). The tokens were sampled by the engine,
-    # pi_rollout, not by the trainer's pi_old: their numerics differ (on a GPU, bf16 with other
-    # kernels: |log pi_old - log pi_rollout| ~ 1e-3..1e-2). Reweight each token by
-    #   w_t = min( pi_old(o_t) / pi_rollout(o_t) , C ),   L_t <- w_t * L_t
-    # w is a constant (no gradient); the cap C bounds the variance a few outlier tokens could add.
-    # On a CPU in fp32 the two agree to ~1e-7, so w = 1 to about 1e-6.
-    # A forced token (rollout log-prob NaN: a branch's demonstrated reply) was never sampled: w = 1.
+    # Truncated importance sampling against the engine that sampled (tis_weights): L_t <- w_t * L_t.
     tis_weight = None
     if rollout_logprobs is not None and tis_cap > 0:
         sampled = sampled_mask(mask, rollout_logprobs)
-        rollout = torch.where(sampled, rollout_logprobs.detach().to(logp.dtype), old)
-        raw_weight = torch.exp(old - rollout)
-        tis_weight = torch.clamp(raw_weight, max=tis_cap)
+        tis_weight, raw_weight = tis_weights(old, rollout_logprobs, sampled, tis_cap)
         per_token = tis_weight * per_token
     pg_per_token = per_token
 
@@ -286,20 +277,7 @@ def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, resp
             # GRPO Eq. 3: L_t += beta * D_KL[pi_theta || pi_ref], estimated per token by k3.
             per_token = per_token + kl_coef * kl
 
-    def aggregate(x: Tensor) -> Tensor:
-        x = torch.where(mask, x, zero)
-        if aggregation == "token-mean":
-            # L = sum_{i,t} m_it L_it / N_tokens
-            norm = mask.sum().clamp_min(1) if loss_normalizer is None else loss_normalizer
-            return x.sum() / norm
-        if aggregation == "seq-mean":
-            # L = (1/B) sum_i (1/|o_i|) sum_t m_it L_it
-            seq = x.sum(-1) / mask.sum(-1).clamp_min(1)
-            norm = x.shape[0] if loss_normalizer is None else loss_normalizer
-            return seq.sum() / norm
-        raise ValueError(f"unknown aggregation {aggregation!r}")
-
-    loss = aggregate(per_token)
+    loss = aggregate_loss(per_token, mask, aggregation, loss_normalizer)
 
     with torch.no_grad():
         # Clipping "changed the objective" where the clipped surrogate is strictly the min;
@@ -309,13 +287,45 @@ def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, resp
             "clip_frac": (clipped.sum() / mask.sum().clamp_min(1)).item(),
             "ratio_mean": masked_mean(ratio, mask).item(),
             "kl": masked_mean(kl, mask).item() if kl is not None else 0.0,
-            "pg_loss": aggregate(pg_per_token).item(),
+            "pg_loss": aggregate_loss(pg_per_token, mask, aggregation, loss_normalizer).item(),
             "tis_weight_mean": masked_mean(tis_weight, sampled).item() if tis_weight is not None and sampled.any()
             else 1.0,
             "tis_capped_frac": ((raw_weight > tis_cap) & sampled).sum().item() / max(sampled.sum().item(), 1)
             if tis_weight is not None else 0.0,
         }
     return loss, metrics
+
+
+def tis_weights(old_logprobs: Tensor, rollout_logprobs: Tensor, sampled: Tensor, cap: float) -> tuple[Tensor, Tensor]:
+    """Truncated importance sampling (Yao et al. 2025, "Your Efficient RL Framework Secretly Brings
+    You Off-Policy RL Training"; verl's and SkyRL's TIS): the capped weights and the raw ones, [B, T].
+
+    The tokens were sampled by the engine, pi_rollout, not by the trainer's pi_old: their numerics
+    differ (on a GPU, bf16 with other kernels: |log pi_old - log pi_rollout| ~ 1e-3..1e-2). Each
+    token's loss is reweighted by
+        w_t = min( pi_old(o_t) / pi_rollout(o_t) , C ),   L_t <- w_t * L_t
+    w is a constant (no gradient); the cap C bounds the variance a few outlier tokens could add.
+    On a CPU in fp32 the two agree to ~1e-7, so w = 1 to about 1e-6. A token outside `sampled`
+    (rollout log-prob NaN: a branch's forced reply, never sampled) gets w = 1."""
+    rollout = torch.where(sampled, rollout_logprobs.detach().to(old_logprobs.dtype), old_logprobs)
+    raw = torch.exp(old_logprobs - rollout)
+    return torch.clamp(raw, max=cap), raw
+
+
+def aggregate_loss(per_token: Tensor, mask: Tensor, aggregation: str,
+                   loss_normalizer: float | Tensor | None = None) -> Tensor:
+    """The loss from its per-token terms L_it (policy_loss's `aggregation`); masked tokens count 0."""
+    x = torch.where(mask, per_token, torch.zeros_like(per_token))
+    if aggregation == "token-mean":
+        # L = sum_{i,t} m_it L_it / N_tokens
+        norm = mask.sum().clamp_min(1) if loss_normalizer is None else loss_normalizer
+        return x.sum() / norm
+    if aggregation == "seq-mean":
+        # L = (1/B) sum_i (1/|o_i|) sum_t m_it L_it
+        seq = x.sum(-1) / mask.sum(-1).clamp_min(1)
+        norm = x.shape[0] if loss_normalizer is None else loss_normalizer
+        return seq.sum() / norm
+    raise ValueError(f"unknown aggregation {aggregation!r}")
 
 
 # ----------------------------------------------------------------------------- log-probs

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 import checkpoint
+import storage
 import distributed
 import grpo
 import rollout
@@ -331,6 +332,6 @@ def write_shared_adapter(model, state: dict, path: Path, keep: int, base_model: 
     a failed write stops every rank, not only the one that failed. Collective."""
     def write():
         checkpoint.write_adapter(model, state, path, base_model)
-        checkpoint.prune(path.parent, "step_", keep, current=int(path.name.removeprefix("step_")))
+        storage.prune(path.parent, "step_", keep, current=int(path.name.removeprefix("step_")))
 
-    distributed.on_rank0(write, checkpoint.WriteError, prefix=f"{what} failed: ")
+    distributed.on_rank0(write, storage.WriteError, prefix=f"{what} failed: ")

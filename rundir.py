@@ -29,6 +29,7 @@ from pathlib import Path
 
 
 import checkpoint
+import storage
 import distributed
 
 
@@ -52,7 +53,7 @@ def check_shared(shared: Path):
     """Rank 0 makes sure the LoRA sync's directory takes files; then every rank must read back what
     rank 0 wrote there (distributed.check_shared_dir). Collective; every rank stops alike."""
     distributed.on_rank0(lambda: check_writable(shared))
-    distributed.check_shared_dir(shared, checkpoint.atomic_write_text)
+    distributed.check_shared_dir(shared, storage.atomic_write_text)
 
 
 # ----------------------------------------------------------------------------- the run's own records
@@ -73,7 +74,7 @@ def write_summary(steps: int, out: Path, wall_s: float, hours: float, on_gpu: bo
     summary = {"steps": steps, "steps_s": round(sum(json.loads(line)["step_s"] for line in lines), 1),
                "wall_s": round(wall_s, 1), ("gpu_hours" if on_gpu else "process_hours"): round(hours, 4),
                "eval": {r["step"]: f"{r['solved']}/{r['total']}" for r in evals}}
-    checkpoint.atomic_write_text(out / "summary.json", json.dumps(summary, indent=2))
+    storage.atomic_write_text(out / "summary.json", json.dumps(summary, indent=2))
     log("run summary: " + json.dumps(summary))
 
 
@@ -103,8 +104,8 @@ class RunLog:
         self.out, self.path = out, out / "metrics.jsonl"
         lines = self.path.read_text().splitlines() if self.path.exists() else []
         kept = [line for line in lines if (n := metrics_step(line)) is not None and n <= start_step]
-        checkpoint.atomic_write_text(self.path, "".join(line + "\n" for line in kept))
-        checkpoint.atomic_write_text(out / "config.json", json.dumps(dataclasses.asdict(cfg), indent=2))
+        storage.atomic_write_text(self.path, "".join(line + "\n" for line in kept))
+        storage.atomic_write_text(out / "config.json", json.dumps(dataclasses.asdict(cfg), indent=2))
         self.tensorboard = SummaryWriter(str(out / "tb"), purge_step=start_step + 1)
 
     def step(self, step: int, metrics: dict, **extra):
@@ -116,7 +117,7 @@ class RunLog:
                 f.flush()
                 os.fsync(f.fileno())
         except OSError as e:  # a torn last line is dropped on resume (metrics_step)
-            raise checkpoint.write_error(f"the metrics line of step {step} in", self.path, e,
+            raise storage.write_error(f"the metrics line of step {step} in", self.path, e,
                                          "the lines before it are kept; the step is redone on resume") from e
         for k, v in metrics.items():
             self.tensorboard.add_scalar(k, v, step)
@@ -165,7 +166,7 @@ def eval_file(out: Path, result: dict, run: dict, adapter) -> dict:
     record = {**result, "run_id": run["run_id"], "adapter": getattr(adapter, "lora_path", None),
               "base": run["base"]}
     (out / "eval").mkdir(exist_ok=True)
-    checkpoint.atomic_write_text(out / "eval" / f"step_{result['step']}.json", json.dumps(record, indent=1))
+    storage.atomic_write_text(out / "eval" / f"step_{result['step']}.json", json.dumps(record, indent=1))
     return record
 
 
@@ -208,8 +209,8 @@ def archive_run(out: Path) -> Path:
     for name in RUN_FILES:
         if (out / name).exists():
             os.replace(out / name, dest / name)
-    checkpoint.fsync_path(dest)
-    checkpoint.fsync_path(out)
+    storage.fsync_path(dest)
+    storage.fsync_path(out)
     return dest
 
 
@@ -280,7 +281,7 @@ def _open_run(out: Path, cfg, base: dict, log) -> tuple[str, dict]:
         run = {"run_id": uuid.uuid4().hex[:12], "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                "host": socket.gethostname(), "launcher": launcher_id(), "base": base,
                **({"adopted": True} if ckpt is not None else {})}
-        checkpoint.atomic_write_text(out / RUN_FILE, json.dumps(run, indent=1))
+        storage.atomic_write_text(out / RUN_FILE, json.dumps(run, indent=1))
     return str(ckpt or ""), {**run, "base": base}  # the base this process plays (resume may change it)
 
 
@@ -457,6 +458,6 @@ class StopRequest:
 
 
 def write_stopped(out: Path, signum: int, step: int, abandoned: bool):
-    checkpoint.atomic_write_text(out / STOPPED_FILE, json.dumps(
+    storage.atomic_write_text(out / STOPPED_FILE, json.dumps(
         {"signal": signal.Signals(signum).name, "checkpoint_step": step, "step_in_hand_abandoned": abandoned,
          "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}))

@@ -40,6 +40,7 @@ log pi, which is exactly the policy gradient.
 import gc
 import signal
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -49,6 +50,7 @@ from tqdm import tqdm
 import average
 import branch
 import checkpoint
+import storage
 import distributed
 import env
 import evaluation
@@ -105,11 +107,43 @@ def step_metrics(metrics: dict, timing: dict, hours: float, on_gpu: bool) -> dic
             "tokens_per_s": metrics["tokens_per_s"] * world, "num_groups": metrics["num_groups"] * world}
 
 
-def main(cfg: Config):
+@dataclass
+class Run:
+    """What a run holds from its start-up (start_run) to its end: the policy and its optimizer,
+    this rank's engine and the things around them, and the few values the loop moves on."""
+    cfg: Config
+    rank: int
+    world: int
+    device: torch.device
+    out: Path  # the run directory (rundir.py)
+    shared: Path  # where the adapter syncs go, visible to every node
+    base: dict  # the base model's record (checkpoint.base_model_record)
+    record: dict  # the run's identity in run.json (rundir.open_run)
+    chat: rollout.ChatFormat
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    stream: env.TrainMazeStream
+    engine: object  # vllm.LLM
+    sleeper: vllm_engine.EngineSleep
+    guard: update.StalePolicyGuard
+    tail: average.TailAverage
+    probe: evaluation.PolicyProbe
+    log: rundir.RunLog | None  # rank 0's
+    start_step: int
+    hours: float  # process-hours so far, over all ranks (GPU-hours on GPUs)
+    saved_step: int | None  # the newest checkpoint's step
+    lora_request: object = None  # the engine's handle on the current policy
+    lora_state: dict = None  # the current policy's LoRA weights (full, on every rank)
+
+
+def start_run(cfg: Config) -> Run:
+    """Start-up: the process group, the model's recipe, the run directory and its lock, the policy
+    and its optimizer (restored from the checkpoint to resume from), this rank's engine; the
+    engine gets the policy, and a fresh run is evaluated before its first step."""
     rank, world, local_rank = distributed.init_distributed()
     cfg.validate(world)
     on_gpu = torch.cuda.is_available()
-    device = torch.device("cuda", local_rank) if on_gpu else torch.device("cpu")
     model_path = policy.resolve_model(cfg.model)  # downloads once per node, then every rank loads it
     cfg.resolve_model_defaults(model_path)  # batch, LoRA rank, reply length: the tiny model's or a real one's
     cfg.validate(world)  # again, with them
@@ -117,7 +151,7 @@ def main(cfg: Config):
     out, shared = Path(cfg.out_dir), Path(cfg.shared_dir or Path(cfg.out_dir) / "shared")
     # the run lock, the checkpoint to resume from, and no fresh start over another run's files
     # (all before anything is written into the directory)
-    ckpt, run = rundir.open_run(out, cfg, base, log=log0)
+    ckpt, record = rundir.open_run(out, cfg, base, log=log0)
     rundir.check_shared(shared)
 
     # The policy first (identical seed on every rank), then this rank's engine (its own seed).
@@ -127,127 +161,142 @@ def main(cfg: Config):
     scheduler = update.make_scheduler(optimizer, cfg)
     stream = env.TrainMazeStream(cfg.difficulty, eval_n=cfg.eval_mazes, pool=cfg.train_pool, style=cfg.env_style,
                                  seed=cfg.seed)
-    start_step, hours = checkpoint.load(Path(ckpt), cfg, model, optimizer, scheduler, stream, log=log0) \
-        if ckpt else (0, 0.0)
-    log = rundir.RunLog(out, cfg, start_step) if rank == 0 else None
+    meta = checkpoint.load(Path(ckpt), cfg, model, optimizer, scheduler, stream, log=log0) if ckpt else {}
+    start_step = meta.get("step", 0)
     engine = build_rank_engine(cfg, model_path, rank)
-    sleeper = vllm_engine.EngineSleep(cfg.engine_sleep, on_gpu, weights_bytes=policy.base_weight_bytes(model), log=log0,
-                                  worst_over_ranks=distributed.max_over_ranks)
-    guard = update.StalePolicyGuard(cfg.mismatch_bound, cfg.mismatch_steps, on_gpu, start_step,
-                                    checkpoint.saved_meta(Path(ckpt)).get("mismatch_bound") if ckpt else None)
     # the policy the run publishes: from the first step of its last average_frac on, the mean of
     # the LoRA after each step (average.py), restored from the checkpoint
     tail = average.TailAverage(cfg.steps - round(cfg.average_frac * cfg.steps) + 1, cfg.lora_rank,
-                               **checkpoint.load_average(Path(ckpt) if ckpt else None))
-    lora_request, lora_state, _ = sync(model, engine, shared, start_step, cfg, base)
+                               **(checkpoint.load_average(Path(ckpt), meta) if ckpt else {}))
     # how far each update moves the policy, on fixed held-out first turns (this rank's share)
     probe_mazes = env.eval_mazes(cfg.difficulty, cfg.eval_mazes, cfg.env_style)[:max(cfg.probe_states, world)]
-    probe = evaluation.PolicyProbe(chat, probe_mazes[rank::world] if cfg.probe_states else [],
-                                   visgym.EnvSettings.of(cfg))
-    probe.measure(engine, lora_request)
-    if (start_step == 0 or start_step % cfg.eval_interval == 0) and not rundir.has_eval(out, start_step, run):
-        evaluation.evaluate_published(cfg, engine, chat, lora_request, tail, model, start_step, out, shared, run, base)
+    r = Run(cfg, rank, world, torch.device("cuda", local_rank) if on_gpu else torch.device("cpu"), out, shared,
+            base, record, chat, model, optimizer, scheduler, stream, engine,
+            vllm_engine.EngineSleep(cfg.engine_sleep, on_gpu, weights_bytes=policy.base_weight_bytes(model),
+                                    log=log0, worst_over_ranks=distributed.max_over_ranks),
+            update.StalePolicyGuard(cfg.mismatch_bound, cfg.mismatch_steps, on_gpu, start_step,
+                                    meta.get("mismatch_bound")),
+            tail, evaluation.PolicyProbe(chat, probe_mazes[rank::world] if cfg.probe_states else [],
+                                         visgym.EnvSettings.of(cfg)),
+            rundir.RunLog(out, cfg, start_step) if rank == 0 else None,
+            start_step, meta.get("process_hours", 0.0), start_step if ckpt else None)
+    r.lora_request, r.lora_state, _ = sync(model, engine, shared, start_step, cfg, base)
+    r.probe.measure(engine, r.lora_request)
+    if (start_step == 0 or start_step % cfg.eval_interval == 0) and not rundir.has_eval(out, start_step, record):
+        evaluate(r, start_step)
+    return r
 
-    per_rank, run_start = cfg.prompts_per_step // world, time.time()
-    stop, stopped, abandoned = rundir.StopRequest(), 0, False  # SIGTERM and the like: rundir.py
-    saved_step = start_step if ckpt else None
-    bar = tqdm(range(start_step, cfg.steps), desc="train", unit="step", initial=start_step, total=cfg.steps,
-               disable=not (cfg.progress and rank == 0))
+
+def evaluate(r: Run, step: int) -> dict:
+    """The published policy (the tail average once it is active, else the current one), held-out greedy."""
+    return evaluation.evaluate_published(r.cfg, r.engine, r.chat, r.lora_request, r.tail, r.model, step, r.out,
+                                         r.shared, r.record, r.base)
+
+
+def save_checkpoint(r: Run, step: int) -> Path | None:
+    """Rank 0's checkpoint of the run after `step` steps, written but not yet published (collective)."""
+    r.saved_step = step
+    return checkpoint.save(r.cfg, r.model, r.optimizer, r.scheduler, r.lora_state, step, r.stream, r.hours, r.out,
+                           r.base, mismatch_bound=r.guard.bound, average=r.tail)
+
+
+def train_step(r: Run, step: int, stop: rundir.StopRequest) -> dict | None:
+    """One step: rollouts, advantages, the update, the sync, then the tail average, evaluation,
+    checkpoint and export on their intervals. Returns the step's metrics line, or None if a stop
+    arrived during the rollouts (the step is given up: it changed nothing but the stream)."""
+    cfg, rank, world = r.cfg, r.rank, r.world
+    step_start, timing, metrics = time.time(), {}, {}
+
+    # 1. rollouts: every rank draws the same mazes from the stream and plays its share
+    t0 = time.time()
+    stream_at_step = r.stream.state_dict()
+    mazes = [r.stream.next() for _ in range(cfg.prompts_per_step)]
+    per_rank = cfg.prompts_per_step // world
+    mine = list(range(rank * per_rank, (rank + 1) * per_rank))
+    episodes = rollout.play_episodes(
+        r.engine, r.chat, [mazes[i] for i in mine], [step * cfg.prompts_per_step + i for i in mine],
+        visgym.EnvSettings.of(cfg), rollout.Sampling.of(cfg), samples_per_maze=cfg.group_size,
+        lora_request=r.lora_request, desc=f"rollout@{step + 1}", progress=cfg.progress and rank == 0)
+    # and the forks the groups passed, replayed with every open move (branch.py; on by default for the tiny model)
+    branch_experiences, branch_stats = branch.branch_step(cfg, r.engine, r.chat, episodes, r.lora_request)
+    r.sleeper.sleep(r.engine)  # time-slicing: the engine gives the GPU to the trainer (--engine-sleep)
+    timing["rollout_s"] = time.time() - t0
+    if stop.pending():
+        r.stream.load_state_dict(stream_at_step)
+        return None
+    metrics.update(rollout.rollout_metrics(episodes))
+
+    # 2. advantages: group-normalised, plus GiGPO's step-level term, per token
+    t0 = time.time()
+    experiences, stats = grpo.episode_experiences(episodes, gamma=cfg.gamma, step_adv_weight=cfg.step_adv_weight,
+                                                  scale_by_std=cfg.scale_adv_by_std)
+    experiences += branch_experiences  # the forks' targets, each in its parent episode's mini-batch
+    metrics.update(stats, **branch_stats)
+    timing["advantages_s"] = time.time() - t0
+
+    # 3. the update: the policy-gradient loss on the sampled tokens (update.grpo_update)
+    t0 = time.time()
+    batch = policy.Batch([x.sequence for x in experiences], r.chat.processor, r.model)
+    metrics.update(update.grpo_update(cfg, r.model, r.optimizer, r.scheduler, batch, experiences, len(episodes),
+                                      r.device, measure_every_sequence=r.guard.calibrating))
+    del batch  # its cached image features
+    timing["update_s"] = time.time() - t0
+
+    # 4. sync: the new LoRA through shared storage into every engine (awake again from here)
+    r.sleeper.wake(r.engine)
+    r.lora_request, r.lora_state, sync_stats = sync(r.model, r.engine, r.shared, step + 1, cfg, r.base)
+    timing["sync_s"], metrics["sync_bytes"] = sync_stats["sync_s"], sync_stats["sync_bytes"]
+    t0 = time.time()
+    metrics.update(r.probe.measure(r.engine, r.lora_request))
+    timing["probe_s"] = time.time() - t0
+
+    # 5. the tail average; eval, checkpoint, export on their intervals; one metrics line per step
+    done, t0 = step + 1, time.time()
+    if done >= r.tail.first_step:
+        r.tail.add(r.lora_state)
+        metrics["average_dropped"] = r.tail.dropped
+    published = r.tail.state if r.tail.active(done) else r.lora_state  # what evaluations and exports show
+    if done % cfg.eval_interval == 0 or done == cfg.steps:
+        metrics["eval_solve_rate"] = evaluate(r, done)["solve_rate"]
+    timing["eval_s"], t0 = time.time() - t0, time.time()
+    r.hours += (time.time() - step_start) * world / 3600
+    ckpt_tmp = save_checkpoint(r, done) if done % cfg.ckpt_interval == 0 or done == cfg.steps else None
+    if rank == 0 and (done % cfg.export_interval == 0 or done == cfg.steps):
+        checkpoint.write_adapter(r.model, published, r.out / "adapters" / f"step_{done}", r.base)
+    timing["checkpoint_s"], timing["step_s"] = time.time() - t0, time.time() - step_start
+    metrics = step_metrics(metrics, timing, r.hours, r.device.type == "cuda")
+    if rank == 0:
+        r.log.step(done, metrics, maze_seeds=[m.seed for m in mazes], stream_position=r.stream.position)
+        if ckpt_tmp:  # after the step's line is on disk, so that `latest` never names a step it lacks
+            checkpoint.publish(r.out, ckpt_tmp, done, cfg.keep_checkpoints)
+    r.guard.check(done, metrics["mismatch_abs_mean"], metrics["mismatch_tokens"])  # the same on every rank
+    return metrics
+
+
+def main(cfg: Config):
+    r = start_run(cfg)
+    run_start, stop, stopped, abandoned = time.time(), rundir.StopRequest(), 0, False  # SIGTERM and the like
+    bar = tqdm(range(r.start_step, cfg.steps), desc="train", unit="step", initial=r.start_step, total=cfg.steps,
+               disable=not (cfg.progress and r.rank == 0))
+    step = r.start_step
     for step in bar:
-        step_start, timing, metrics = time.time(), {}, {}
         if stopped := stop.pending():  # a stop asked for during the last step (or the start-up)
             break
-
-        # 1. rollouts: every rank draws the same mazes from the stream and plays its share
-        t0 = time.time()
-        stream_at_step = stream.state_dict()
-        mazes = [stream.next() for _ in range(cfg.prompts_per_step)]
-        mine = list(range(rank * per_rank, (rank + 1) * per_rank))
-        episodes = rollout.play_episodes(
-            engine, chat, [mazes[i] for i in mine], [step * cfg.prompts_per_step + i for i in mine],
-            visgym.EnvSettings.of(cfg), rollout.Sampling.of(cfg), samples_per_maze=cfg.group_size,
-            lora_request=lora_request, desc=f"rollout@{step + 1}", progress=cfg.progress and rank == 0)
-        # and the forks the groups passed, replayed with every open move (branch.py; on by default for the tiny model)
-        branch_experiences, branch_stats = branch.branch_step(cfg, engine, chat, episodes, lora_request)
-        sleeper.sleep(engine)  # time-slicing: the engine gives the GPU to the trainer (--engine-sleep)
-        timing["rollout_s"] = time.time() - t0
-        if stopped := stop.pending():  # give up the step in hand: so far it changed nothing but the stream
-            stream.load_state_dict(stream_at_step)
-            abandoned = True
+        metrics = train_step(r, step, stop)
+        if metrics is None:  # the stop came during the rollouts, and the step is given up
+            stopped, abandoned = stop.pending(), True
             break
-        metrics.update(rollout.rollout_metrics(episodes))
-
-        # 2. advantages: group-normalised over all ranks, plus GiGPO's step-level term, per token
-        t0 = time.time()
-        experiences, stats = grpo.episode_experiences(episodes, gamma=cfg.gamma, step_adv_weight=cfg.step_adv_weight,
-                                                      scale_by_std=cfg.scale_adv_by_std)
-        experiences += branch_experiences  # the forks' targets, each in its parent episode's mini-batch
-        metrics.update(stats, **branch_stats)
-        timing["advantages_s"] = time.time() - t0
-
-        # 3. the update: the policy-gradient loss on the sampled tokens (update.grpo_update)
-        t0 = time.time()
-        batch = policy.Batch([x.sequence for x in experiences], chat.processor, model)
-        metrics.update(update.grpo_update(cfg, model, optimizer, scheduler, batch, experiences, len(episodes), device,
-                                          measure_every_sequence=guard.calibrating))
-        del batch  # its cached image features
-        timing["update_s"] = time.time() - t0
-
-        # 4. sync: the new LoRA through shared storage into every engine (awake again from here)
-        sleeper.wake(engine)
-        lora_request, lora_state, sync_stats = sync(model, engine, shared, step + 1, cfg, base)
-        timing["sync_s"], metrics["sync_bytes"] = sync_stats["sync_s"], sync_stats["sync_bytes"]
-        t0 = time.time()
-        metrics.update(probe.measure(engine, lora_request))
-        timing["probe_s"] = time.time() - t0
-
-        # 5. the tail average; eval, checkpoint, export on their intervals; one metrics line per step
-        done, t0 = step + 1, time.time()
-        if done >= tail.first_step:
-            tail.add(lora_state)
-            metrics["average_dropped"] = tail.dropped
-        published = tail.state if tail.active(done) else lora_state  # what evaluations and exports show
-        if done % cfg.eval_interval == 0 or done == cfg.steps:
-            metrics["eval_solve_rate"] = evaluation.evaluate_published(
-                cfg, engine, chat, lora_request, tail, model, done, out, shared, run, base)["solve_rate"]
-        timing["eval_s"], t0 = time.time() - t0, time.time()
-        hours += (time.time() - step_start) * world / 3600
-        ckpt_tmp = None
-        if done % cfg.ckpt_interval == 0 or done == cfg.steps:
-            saved_step = done
-            ckpt_tmp = checkpoint.save(cfg, model, optimizer, scheduler, lora_state, done, stream, hours, out, base,
-                                       mismatch_bound=guard.bound, average=tail)
-        if rank == 0 and (done % cfg.export_interval == 0 or done == cfg.steps):
-            checkpoint.write_adapter(model, published, out / "adapters" / f"step_{done}", base)
-        timing["checkpoint_s"], timing["step_s"] = time.time() - t0, time.time() - step_start
-        metrics = step_metrics(metrics, timing, hours, on_gpu)
-        if rank == 0:
-            log.step(done, metrics, maze_seeds=[m.seed for m in mazes], stream_position=stream.position)
-            if ckpt_tmp:  # after the step's line is on disk, so that `latest` never names a step it lacks
-                checkpoint.publish(out, ckpt_tmp, done, cfg.keep_checkpoints)
-            bar.set_postfix(reward=f"{metrics['reward_mean']:.2f}", mismatch=f"{metrics['mismatch_abs_mean']:.1e}",
-                            step_s=f"{timing['step_s']:.1f}")
-        guard.check(done, metrics["mismatch_abs_mean"], metrics["mismatch_tokens"])  # the same on every rank
-
+        bar.set_postfix(reward=f"{metrics['reward_mean']:.2f}", mismatch=f"{metrics['mismatch_abs_mean']:.1e}",
+                        step_s=f"{metrics['step_s']:.1f}")
     bar.close()
-    if stopped:  # the last completed step is `step`: checkpointed, unless it already is
-        if saved_step != step:
-            ckpt_tmp = checkpoint.save(cfg, model, optimizer, scheduler, lora_state, step, stream, hours, out, base,
-                                       mismatch_bound=guard.bound, average=tail)
-            if rank == 0:
-                checkpoint.publish(out, ckpt_tmp, step, cfg.keep_checkpoints)
-        if rank == 0:
-            rundir.write_stopped(out, stopped, step, abandoned)
-        log0(f"stopped by {signal.Signals(stopped).name}: checkpoint step_{step} is the last completed step"
-             + (f" (step {step + 1} was under way and is given up)" if abandoned else "")
-             + (f", {time.time() - stop.received_at:.1f}s after the signal" if stop.received_at else "")
-             + "; the same command resumes the run from there")
-    elif rank == 0:
-        log.finish(cfg.steps, time.time() - run_start, hours, on_gpu, log=log0)
+    if stopped:
+        stop_at(r, step, stopped, abandoned, stop)
+    elif r.rank == 0:
+        r.log.finish(cfg.steps, time.time() - run_start, r.hours, r.device.type == "cuda", log=log0)
     # Shut down in order: all ranks done, then the engine (whose teardown may already take the
     # process group down with it), then the group if it is still there.
     dist.barrier()
-    del engine
+    del r.engine
     gc.collect()
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -255,8 +304,23 @@ def main(cfg: Config):
         raise SystemExit(128 + stopped)  # what a process that the signal killed reports: "terminated"
 
 
+def stop_at(r: Run, step: int, signum: int, abandoned: bool, stop: rundir.StopRequest):
+    """A stop was asked for (SIGTERM and the like): the last completed step is `step`; it is
+    checkpointed unless it already is, and the run directory says why the run stopped."""
+    if r.saved_step != step:
+        ckpt_tmp = save_checkpoint(r, step)
+        if r.rank == 0:
+            checkpoint.publish(r.out, ckpt_tmp, step, r.cfg.keep_checkpoints)
+    if r.rank == 0:
+        rundir.write_stopped(r.out, signum, step, abandoned)
+    log0(f"stopped by {signal.Signals(signum).name}: checkpoint step_{step} is the last completed step"
+         + (f" (step {step + 1} was under way and is given up)" if abandoned else "")
+         + (f", {time.time() - stop.received_at:.1f}s after the signal" if stop.received_at else "")
+         + "; the same command resumes the run from there")
+
+
 if __name__ == "__main__":
     try:
         main(parse_config(description=__doc__))
-    except checkpoint.WriteError as e:  # a full disk, a quota, a read-only mount: one line, nothing lost
+    except storage.WriteError as e:  # a full disk, a quota, a read-only mount: one line, nothing lost
         raise SystemExit(f"stopped: {e}")

@@ -36,6 +36,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import checkpoint  # noqa: E402
+import storage  # noqa: E402
 import vllm_engine  # noqa: E402
 from experiments.eval_policy import adapter_config  # noqa: E402
 
@@ -79,17 +80,17 @@ def average(adapters: list[Path], out: Path) -> int:
     # PEFT's scale is alpha / r (alpha / sqrt(r) with rsLoRA): keep the adapters' own at the new rank
     new_alpha = alpha * (math.sqrt(rank / r) if rslora else rank / r)
     new_alpha = int(new_alpha) if float(new_alpha).is_integer() else new_alpha  # an int where it is one
-    # the whole directory at once, as the trainer writes its exports (checkpoint.publish_dir)
+    # the whole directory at once, as the trainer writes its exports (storage.publish_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp")
-    checkpoint.remove_tmp(tmp)
+    storage.remove_tmp(tmp)
     tmp.mkdir()
     save_file(mean, str(tmp / WEIGHTS))
     config = dict(configs[0], r=rank, lora_alpha=new_alpha, rank_pattern={}, alpha_pattern={})
     (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2))
     if (adapters[0] / BASE_FILE).exists():
         shutil.copyfile(adapters[0] / BASE_FILE, tmp / BASE_FILE)
-    checkpoint.publish_dir(tmp, out)
+    storage.publish_dir(tmp, out)
     return rank
 
 
@@ -99,13 +100,13 @@ def write_like(adapter: Path, weights: dict, out: Path):
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp")
-    checkpoint.remove_tmp(tmp)
+    storage.remove_tmp(tmp)
     tmp.mkdir()
     save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp / WEIGHTS))
     shutil.copyfile(adapter / "adapter_config.json", tmp / "adapter_config.json")
     if (adapter / BASE_FILE).exists():
         shutil.copyfile(adapter / BASE_FILE, tmp / BASE_FILE)
-    checkpoint.publish_dir(tmp, out)
+    storage.publish_dir(tmp, out)
 
 
 def deltas(weights: dict) -> dict:

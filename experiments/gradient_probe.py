@@ -331,11 +331,11 @@ def main():
                   skipped_too_long=skipped)
     print_report(report)
     if args.out:
-        import checkpoint
+        import storage
 
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
-        checkpoint.atomic_write_text(out, json.dumps(report, indent=1))
+        storage.atomic_write_text(out, json.dumps(report, indent=1))
 
 
 if __name__ == "__main__":

@@ -58,9 +58,9 @@ def main():
     shape = {"rslora": args.rslora, "targets": args.targets, "target_modules": TARGETS[args.targets]}
     import json
 
-    import checkpoint
+    import storage
 
-    checkpoint.atomic_write_text(out / "model" / "LORA_SHAPE.json", json.dumps(shape, indent=2))
+    storage.atomic_write_text(out / "model" / "LORA_SHAPE.json", json.dumps(shape, indent=2))
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 import checkpoint
+import storage
 import rundir
 import train
 
@@ -77,13 +78,13 @@ def test_resume_falls_back_to_the_newest_checkpoint_that_verifies(tmp_path):
 def test_pruning_keeps_the_newest_and_clears_what_a_crash_left(tmp_path):
     for name in ("step_1", "step_2", "step_3", ".step_4.tmp-ab", ".step_1.trash-cd"):
         (tmp_path / name).mkdir()
-    checkpoint.prune(tmp_path, "step_", keep=2)
+    storage.prune(tmp_path, "step_", keep=2)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_2", "step_3"]
     # a run resumed at step 1 writes step_1 again: the abandoned run's later dirs go, not it
-    checkpoint.prune(tmp_path, "step_", keep=1, current=1)
+    storage.prune(tmp_path, "step_", keep=1, current=1)
     assert sorted(p.name for p in tmp_path.iterdir()) == []
     (tmp_path / "step_1").mkdir(), (tmp_path / "step_5").mkdir(), (tmp_path / "step_6").mkdir()
-    checkpoint.prune(tmp_path, "step_", keep=1, current=1)
+    storage.prune(tmp_path, "step_", keep=1, current=1)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step_1"]
 
 
@@ -113,7 +114,7 @@ def test_a_full_disk_leaves_the_previous_adapter_and_says_so(tmp_path, monkeypat
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(checkpoint, "save_file", no_space)
-    with pytest.raises(checkpoint.WriteError, match=r"adapter .*step_2 not written \(No space left on device; \d+ MB free there\); the previous "
+    with pytest.raises(storage.WriteError, match=r"adapter .*step_2 not written \(No space left on device; \d+ MB free there\); the previous "
                                                      "one is untouched$"):
         checkpoint.write_adapter(Peft(), {"w": torch.zeros(2)}, final, {"path": "base", "fingerprint": None})
     assert {p.name: p.read_bytes() for p in final.iterdir()} == before
@@ -124,7 +125,7 @@ def test_a_full_disk_during_a_checkpoint_leaves_the_previous_one_newest(tmp_path
     import torch
 
     previous = fake_checkpoint(tmp_path / "checkpoints", 2)
-    checkpoint.atomic_write_text(tmp_path / "checkpoints" / "latest", "step_2")
+    storage.atomic_write_text(tmp_path / "checkpoints" / "latest", "step_2")
 
     class Peft:
         class Config:
@@ -137,7 +138,7 @@ def test_a_full_disk_during_a_checkpoint_leaves_the_previous_one_newest(tmp_path
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(torch, "save", no_space)
-    with pytest.raises(checkpoint.WriteError, match=r"checkpoint step_4 .*checkpoints not written \(No space left on device; \d+ MB free there\); "
+    with pytest.raises(storage.WriteError, match=r"checkpoint step_4 .*checkpoints not written \(No space left on device; \d+ MB free there\); "
                                                      "the previous one stays the newest"):
         checkpoint.write_checkpoint(tmp_path, 4, Peft(), {"w": torch.ones(1)}, {"optimizer": {}}, {"step": 4},
                                     {"path": "base", "fingerprint": None})
@@ -372,9 +373,9 @@ def test_every_write_of_a_run_fails_in_one_line_naming_the_path_and_the_free_spa
     else:
         monkeypatch.setattr(builtins, "open", open_full_for_writing)
         write = {"eval": lambda: rundir.eval_file(out, {"step": 3}, {"run_id": "r", "base": None}, None),
-                 "summary": lambda: checkpoint.atomic_write_text(out / "summary.json", "{}"),
+                 "summary": lambda: storage.atomic_write_text(out / "summary.json", "{}"),
                  "stopped": lambda: rundir.write_stopped(out, 15, 3, True)}[writer]
-    with pytest.raises(checkpoint.WriteError) as failed:
+    with pytest.raises(storage.WriteError) as failed:
         write()
     message = str(failed.value)
     assert "\n" not in message and " not written (No space left on device; " in message

@@ -193,3 +193,31 @@ def test_every_documented_launch_command_starts_at_its_world_size():
         cfg = config.Config(model="Qwen/Qwen3-VL-8B-Instruct", difficulty="easy")
         cfg.apply_recipe("qwen3-vl")
         cfg.validate(world)
+
+
+def test_help_marks_the_switches_the_recipe_leaves_inactive(capsys):
+    with pytest.raises(SystemExit):
+        config.parse_config(["--help"])
+    # each flag's entry: from its line "  --name ..." to the next one
+    entries = {entry.split()[0]: " ".join(entry.split()) for entry in capsys.readouterr().out.split("\n  --")[1:]}
+
+    def help_of(flag):
+        return entries[flag]
+
+    for flag in ("kl_coef", "ppo_epochs", "num_mini_batches", "clip_eps_high", "train_pool"):
+        assert "[inactive in the recipe]" in help_of(flag), flag
+    for flag in ("lr", "group_size", "branch_points_per_group", "average_frac"):
+        assert "inactive" not in help_of(flag), flag
+
+
+def test_defaults_that_follow_another_field():
+    """LoRA alpha follows the rank (2 x r) and the cell size the style, unless given."""
+    cfg = config.Config(lora_rank=8)
+    cfg.apply_recipe("tiny")
+    assert (cfg.lora_alpha, cfg.cell_px) == (16, 32)
+    cfg = config.parse_config(["--env-style", "visgym", "--lora-alpha", "64", "--lora-rank", "16"])
+    cfg.apply_recipe("tiny")
+    assert (cfg.lora_alpha, cfg.cell_px) == (64, 25)  # alpha given; the style's cell size
+    cfg = config.parse_config(["--env-style", "visgym", "--cell-px", "32"])
+    cfg.apply_recipe("tiny")
+    assert (cfg.lora_alpha, cfg.cell_px) == (64, 32)  # the defaults are the values the recipe runs with

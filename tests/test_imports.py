@@ -1,5 +1,5 @@
 """Imports run one way: the top-level modules never import from launch/ or experiments/, and the
-core (env -> vllm_engine -> rollout -> grpo -> policy -> update -> checkpoint/rundir -> train) never imports
+core (env -> vllm_engine -> rollout -> grpo -> policy -> update -> storage/checkpoint/rundir -> train) never imports
 what comes after it;
 config.py (the recipe) imports nothing of the trainer's, and serve.py nothing of train.py's."""
 
@@ -17,15 +17,16 @@ ALLOWED = {
     "visgym": {"env"},
     "rollout": {"env", "visgym", "vllm_engine"},
     "config": {"env", "vllm_engine"},
-    "checkpoint": {"config", "distributed"},
-    "rundir": {"checkpoint", "distributed"},
-    "policy": {"checkpoint", "distributed", "grpo", "rollout", "tiny_model", "vllm_engine"},
+    "storage": set(),
+    "checkpoint": {"config", "distributed", "storage"},
+    "rundir": {"checkpoint", "distributed", "storage"},
+    "policy": {"checkpoint", "distributed", "grpo", "rollout", "storage", "tiny_model", "vllm_engine"},
     "update": {"distributed", "grpo", "policy"},
     "branch": {"env", "grpo", "rollout", "visgym"},
     "average": set(),
     "evaluation": {"average", "distributed", "env", "policy", "rollout", "rundir", "visgym", "vllm_engine"},
     "train": {"average", "branch", "checkpoint", "config", "distributed", "env", "evaluation", "grpo", "policy",
-              "rollout", "rundir", "update", "visgym", "vllm_engine"},
+              "rollout", "rundir", "storage", "update", "visgym", "vllm_engine"},
     "sft": {"config", "env", "grpo", "policy", "rollout", "rundir", "visgym"},
     "serve": {"checkpoint", "config", "env", "evaluation", "policy", "rollout", "visgym", "vllm_engine"},
 }
