@@ -234,10 +234,8 @@ class Episode:
         return {a for a, b in zip(cells, cells[1:]) if a != b}
 
     def next_prompt(self, max_images: int | None) -> tuple[list, list]:
-        """The engine input for the next reply: all turns so far, images only for the last k."""
-        ids, images = self.prompt(len(self.turns) - 1, max_images)
-        last = self.turns[-1]
-        return (ids + last.reply_ids if last.answered else ids), images
+        """The engine input for the reply the last turn waits for (images only in the last k turns)."""
+        return self.prompt(len(self.turns) - 1, max_images)
 
     def prompt(self, turn: int, max_images: int | None) -> tuple[list, list]:
         """The engine input that asked for reply `turn` (unexpanded ids, and the images it holds):

@@ -209,8 +209,8 @@ def test_an_episode_is_its_turns_read_the_same_way_by_engine_prompts_and_chat_me
              for k in range(3)]
     episode = rollout.Episode(maze=env.generate_maze(7, seed=1), group_id=0, sample_id=0, turns=turns,
                               sequences=[rollout.Sequence([k], [1], [-0.5], [images[k]]) for k in range(3)])
-    assert episode.next_prompt(None) == ([10, 7, 20, 11, 7, 21, 12, 7, 22], images)
-    assert episode.next_prompt(1) == ([10, 20, 11, 21, 12, 7, 22], images[2:])
+    assert episode.prompt(2, None) == ([10, 7, 20, 11, 7, 21, 12, 7], images)  # what asked for reply 2
+    assert episode.prompt(2, 1) == ([10, 20, 11, 21, 12, 7], images[2:])
     messages = evaluation.chat_messages(episode, max_images=1)
     assert [m["role"] for m in messages] == ["user", "assistant"] * 3
     assert [m["content"] for m in messages[1::2]] == ["r0", "r1", "r2"]
