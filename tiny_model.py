@@ -414,10 +414,18 @@ def main():
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--force", action="store_true", help="rebuild even if an identical build exists")
     parser.add_argument("--text-layers", type=int, default=TEXT_LAYERS, help="language-model depth")
+    parser.add_argument("--curve-every", type=int, default=0,
+                        help="N > 0: (re)build, recording the vision tower's held-out accuracy every N steps in "
+                             "BUILD_INFO.json (vision_heldout_curve); the weights are the same as without it")
     args = parser.parse_args()
     if args.text_layers < 1:
         parser.error("--text-layers must be at least 1")
-    path = ensure_tiny_model(args.out, seed=args.seed, force=args.force, text_layers=args.text_layers, task=args.task)
+    if args.curve_every > 0:
+        path = build(args.out or TASK_DIRS[args.task], seed=args.seed, text_layers=args.text_layers, task=args.task,
+                     curve_every=args.curve_every)
+    else:
+        path = ensure_tiny_model(args.out, seed=args.seed, force=args.force, text_layers=args.text_layers,
+                                 task=args.task)
     info = json.loads((path / "BUILD_INFO.json").read_text())
     print(f"tiny Qwen3-VL at {path} ({info['parameters']:,} parameters, fingerprint {info['fingerprint']})")
 
