@@ -335,7 +335,7 @@ def build(out_dir: Path, seed: int = 0, vocab_size: int = 1024, vision_steps: in
                                       progress=progress, task=task, curve_every=curve_every, curve=curve)
     if text_layers != TEXT_LAYERS:
         # Another language-model depth behind the very same eyes: the vision tower just trained is
-        # the default build's bit for bit, so a depth comparison changes one thing only.
+        # the default depth's bit for bit (of the same task), so a depth comparison changes one thing only.
         config.text_config.num_hidden_layers = text_layers
         torch.manual_seed(seed + 1)
         other = Qwen3VLForConditionalGeneration(config).to(torch.float32)
