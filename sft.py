@@ -27,6 +27,7 @@ the fork decisions that decide a maze get all of the signal.
 """
 
 import argparse
+import copy
 import itertools
 import json
 import os
@@ -149,6 +150,25 @@ def action_accuracy(model, processor, sequences: list, answer_id: int, shuffle_i
     return right / max(total, 1)
 
 
+def write_model(model, processor, base: str, final: Path, info: dict) -> None:
+    """An ordinary HF model directory at `final` (with SFT_INFO.json), written to a temp dir beside
+    it and renamed into place."""
+    from transformers import GenerationConfig
+
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    try:
+        model.save_pretrained(tmp)
+        processor.save_pretrained(tmp)
+        GenerationConfig.from_pretrained(base).save_pretrained(tmp)  # the base model's end-of-reply tokens
+        (tmp / "SFT_INFO.json").write_text(json.dumps(info, indent=2))
+        tmp.chmod(0o755)
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="", help="HF model dir or id; empty: the tiny model")
@@ -175,6 +195,9 @@ def main():
                         help="ours, or visgym: VisGym's mazes for a seed, drawing, texts and parser")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log-every", type=int, default=50)
+    parser.add_argument("--save-every", type=int, default=0,
+                        help="N > 0: also write the model every N steps to <out>/model_step_<N>, mid-schedule "
+                             "snapshots for a solve-rate curve (a run stopped there would have decayed its lr)")
     parser.add_argument("--lora-rank", type=int, default=0,
                         help="0: train the whole language model; N: a rank-N LoRA on it (as train.py's GRPO "
                              "does), merged into the weights that are written")
@@ -184,7 +207,7 @@ def main():
                         help="with --freeze-vision 0: the vision tower's learning rate (0: --lr)")
     args = parser.parse_args()
 
-    from transformers import GenerationConfig, Qwen3VLForConditionalGeneration, get_scheduler
+    from transformers import Qwen3VLForConditionalGeneration, get_scheduler
 
     model_path = policy.resolve_model(args.model, collective=False)
     out = Path(args.out)
@@ -234,6 +257,11 @@ def main():
             with open(out / "sft_metrics.jsonl", "a") as f:
                 f.write(json.dumps({**log[-1], "action_accuracy_avg": acc, "wall_s": time.time() - t_start,
                                     "mazes_seen": mazes_seen}) + "\n")
+        if args.save_every and (step + 1) % args.save_every == 0 and step + 1 < args.steps:
+            # a merged copy: merging in place would fold the LoRA into the weights still training
+            snapshot = copy.deepcopy(model).merge_and_unload() if args.lora_rank else model
+            write_model(snapshot, processor, model_path, out / f"model_step_{step + 1}",
+                        {**vars(args), "base": model_path, "snapshot_step": step + 1, "wall_s": time.time() - t_start})
 
     # Does the policy read the image? Demonstrations on the held-out evaluation mazes (evaluated on,
     # never trained on), with their real images and with shuffled ones.
@@ -253,16 +281,8 @@ def main():
     if args.lora_rank:
         model = model.merge_and_unload()
     final = out / "model"
-    tmp = Path(tempfile.mkdtemp(prefix=".model.tmp-", dir=out))
-    model.save_pretrained(tmp)
-    processor.save_pretrained(tmp)
-    GenerationConfig.from_pretrained(model_path).save_pretrained(tmp)  # the base model's end-of-reply tokens
-    (tmp / "SFT_INFO.json").write_text(json.dumps({**vars(args), "base": model_path,
-                                                   "final_action_accuracy_avg": acc, **check}, indent=2))
-    tmp.chmod(0o755)
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
+    write_model(model, processor, model_path, final, {**vars(args), "base": model_path,
+                                                      "final_action_accuracy_avg": acc, **check})
     print(f"SFT model written to {final} ({time.time() - t_start:.0f}s)")
 
 

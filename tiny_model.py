@@ -8,6 +8,7 @@ tokens added. The result loads with `Qwen3VLForConditionalGeneration.from_pretra
 trainer, the rollout engine and the server take the same code path for both.
 
     python tiny_model.py --out .cache/tiny-qwen3-vl [--seed 0] [--force]
+    python tiny_model.py --task visgym     # the build for VisGym's maze_2d/easy: .cache/tiny-qwen3-vl-visgym
 
 Deterministic from the seed. The directory holds a `BUILD_INFO.json` fingerprint; an existing
 directory with the same fingerprint is reused, and the build is written to a temporary directory
@@ -28,6 +29,25 @@ DEFAULT_DIR = ROOT / ".cache" / "tiny-qwen3-vl"
 BUILD_VERSION = 3  # bump when the architecture, processor, tokenizer or vision pretraining recipe changes
 VISION_STEPS = 800  # perception pretraining of the vision tower (see pretrain_vision)
 TEXT_LAYERS = 2  # language-model depth; deeper ones generalise better to unseen layouts, at a cost (docs/experiments.md)
+
+# What the eyes are built for. "ours": our 32 px drawings of every size, one cell per merged token
+# as drawn. "visgym": VisGym's maze_2d/easy, 9x9 mazes of 25 px cells (225 px frames). Its
+# processor's minimum pixel count makes smart_resize upscale 225 px to 288 px (not round it down
+# to 224 px = 7x7 tokens for 81 cells), so a 25 px cell becomes 32 px, exactly one merged token,
+# and the tower is pretrained on VisGym's drawings of VisGym's mazes at that resize. Only 9x9
+# lines up: 7x7 (175 px) and 11x11 (275 px) frames also become 288 px, 41 and 26 px a cell.
+TASKS = ("ours", "visgym")
+TASK_DIRS = {"ours": DEFAULT_DIR, "visgym": ROOT / ".cache" / "tiny-qwen3-vl-visgym"}
+MIN_PIXELS = {"ours": 64 * 64, "visgym": 288 * 288}
+MAX_PIXELS = 512 * 512
+# A share of the VisGym pictures with the agent off the goal shows the white hole VisGym's canvas
+# leaves in the target once the agent has stood there (visgym.render_visgym's `vacated`), so the
+# goal is known by its red border, not only by a full red square.
+VACATED_GOAL_SHARE = 0.25
+# Everything of the "visgym" recipe that the code's constants do not already fingerprint; a
+# version to bump when it changes (the default build's BUILD_VERSION does not move for it).
+VISGYM_RECIPE = {"task": "visgym", "version": 1, "min_pixels": MIN_PIXELS["visgym"], "difficulty": "easy",
+                 "vacated_goal_share": VACATED_GOAL_SHARE}
 
 # Qwen's special tokens. The vision ones are what the Qwen3-VL processor and vLLM look for.
 SPECIAL_TOKENS = [
@@ -78,13 +98,16 @@ def training_corpus() -> list[str]:
     return texts * 4
 
 
-def fingerprint(seed: int, vision_steps: int = VISION_STEPS, text_layers: int = TEXT_LAYERS) -> str:
+def fingerprint(seed: int, vision_steps: int = VISION_STEPS, text_layers: int = TEXT_LAYERS, task: str = "ours") -> str:
     import env
 
+    _check_task(task)
     recipe = [BUILD_VERSION, vision_steps, seed, training_corpus(), env.ACTION_STRINGS, CHAT_TEMPLATE,
               env.CELL_PX_TINY, env.WALL_RGB, env.PATH_RGB, env.GOAL_RGB, env.AGENT_RGB]
     if text_layers != TEXT_LAYERS:  # (so the default build's fingerprint did not change when depth became a knob)
         recipe.append({"text_layers": text_layers})
+    if task != "ours":  # (likewise for the task: the default build keeps its fingerprint)
+        recipe.append({**VISGYM_RECIPE, "cell_px": env.CELL_PX_VISGYM})
     recipe = json.dumps(recipe)
     return hashlib.sha256(recipe.encode()).hexdigest()[:16]
 
@@ -127,6 +150,12 @@ def build_tokenizer(vocab_size: int):
 PERCEPTION_TARGETS = ["wall", "agent", "goal", "right open", "up open", "left open", "down open"]
 
 
+def _check_task(task: str) -> str:
+    if task not in TASKS:
+        raise ValueError(f"unknown task {task!r}; choose one of {list(TASKS)}")
+    return task
+
+
 def cell_targets(maze, agent):
     """(size * size, 7) float tensor of PERCEPTION_TARGETS for each cell, row-major."""
     import torch
@@ -141,31 +170,64 @@ def cell_targets(maze, agent):
     return torch.tensor(rows, dtype=torch.float32)
 
 
-def perception_batch(mazes, image_processor, rng):
+def perception_batch(mazes, image_processor, rng, task: str = "ours"):
     """Pixels, grid sizes and per-cell targets for `mazes`, the agent on a random open cell of each.
 
-    The merged visual tokens come out row-major, one per 32x32 cell, so token i is cell
-    (i // size, i % size) and the targets line up with them by simple concatenation."""
+    The merged visual tokens come out row-major, one per 32x32 cell (task "visgym": one per 25 px
+    cell, upscaled to 32 px by the processor), so token i is cell (i // size, i % size) and the
+    targets line up with them by simple concatenation."""
     import torch
 
     import env
+    import visgym
 
     images, targets = [], []
     for maze in mazes:
         agent = rng.choice([(r, c) for r in range(maze.size) for c in range(maze.size) if maze.is_open((r, c))])
-        images.append(env.render(maze, agent))
+        if _check_task(task) == "visgym":
+            vacated = [maze.goal] if agent != maze.goal and rng.random() < VACATED_GOAL_SHARE else []
+            images.append(visgym.render_visgym(maze, agent, vacated=vacated))
+        else:
+            images.append(env.render(maze, agent))
         targets.append(cell_targets(maze, agent))
     pixels = image_processor(images=images, return_tensors="pt")
     return pixels["pixel_values"], pixels["image_grid_thw"], torch.cat(targets)
 
 
+def heldout_accuracy(visual, head, image_processor, rng, task: str = "ours", n: int = 32) -> dict:
+    """Per difficulty, the share of PERCEPTION_TARGETS read right on `n` evaluation mazes (the
+    agent on a random open cell), and on the agent's four neighbours alone."""
+    import torch
+
+    import env
+
+    style, difficulties = ("visgym", ("easy",)) if _check_task(task) == "visgym" else ("ours", ("small", "easy", "hard"))
+    was_training = visual.training
+    visual.eval()
+    accuracy = {}
+    with torch.no_grad():
+        for difficulty in difficulties:
+            pixels, grid, targets = perception_batch(env.eval_mazes(difficulty, n, style), image_processor, rng, task)
+            right = (head(visual(pixels, grid_thw=grid).pooler_output) > 0) == (targets > 0.5)
+            at_agent = targets[:, PERCEPTION_TARGETS.index("agent")] > 0.5
+            accuracy[difficulty] = {**dict(zip(PERCEPTION_TARGETS, right.float().mean(0).tolist())),
+                                    "agent's neighbours": right[at_agent, 3:].float().mean().item()}
+    visual.train(was_training)
+    return accuracy
+
+
 def pretrain_vision(visual, image_processor, *, steps: int = VISION_STEPS, batch_size: int = 16,
-                    lr: float = 2e-3, warmup: int = 50, seed: int = 0, progress: bool = True) -> dict:
+                    lr: float = 2e-3, warmup: int = 50, seed: int = 0, progress: bool = True,
+                    task: str = "ours", curve_every: int = 0, curve: list | None = None) -> dict:
     """Train `visual` (the model's vision tower) in place to see maze cells; return held-out accuracy.
 
-    Each batch mixes the 7x7, 9x9 and 11x11 sizes so one tower serves all of them. Warm-up,
-    clipping and a cosine decay to zero: at a constant 3e-3 the loss spiked now and then and
-    undid what was learned."""
+    Task "ours": each batch mixes the 7x7, 9x9 and 11x11 sizes so one tower serves all of them.
+    Task "visgym": VisGym's 9x9 mazes (its training stream, never an evaluation layout) in its
+    drawing. Warm-up, clipping and a cosine decay to zero: at a constant 3e-3 the loss spiked now
+    and then and undid what was learned.
+
+    `curve_every` N > 0 appends the held-out accuracy after every N steps to `curve` (measured
+    with an RNG of its own, so the training and the final numbers are the same either way)."""
     import math
     import random
 
@@ -180,12 +242,16 @@ def pretrain_vision(visual, image_processor, *, steps: int = VISION_STEPS, batch
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup)
                                                  * 0.5 * (1 + math.cos(math.pi * s / steps)))
-    streams = [env.TrainMazeStream(d) for d in ("small", "easy", "hard")]
+    if _check_task(task) == "visgym":
+        streams = [env.TrainMazeStream("easy", style="visgym")]
+    else:
+        streams = [env.TrainMazeStream(d) for d in ("small", "easy", "hard")]
+    curve_rng = random.Random(seed + 1)
     visual.train()
     bar = tqdm(range(steps), desc="vision pretraining", unit="step", disable=not progress)
     for step in bar:
         mazes = [streams[i % len(streams)].next() for i in range(batch_size)]
-        pixels, grid, targets = perception_batch(mazes, image_processor, rng)
+        pixels, grid, targets = perception_batch(mazes, image_processor, rng, task)
         logits = head(visual(pixels, grid_thw=grid).pooler_output)
         loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, targets)
         optimizer.zero_grad(set_to_none=True)
@@ -194,31 +260,25 @@ def pretrain_vision(visual, image_processor, *, steps: int = VISION_STEPS, batch
         optimizer.step()
         schedule.step()
         bar.set_postfix(loss=f"{loss.item():.3f}")
+        if curve_every and (step + 1) % curve_every == 0 and step + 1 < steps:
+            curve.append({"step": step + 1, "loss": loss.item(),
+                          "heldout": heldout_accuracy(visual, head, image_processor, curve_rng, task)})
     # Held out: the evaluation mazes themselves, seen here for the first time. What a policy needs
     # most is the agent's own cell: which of its four neighbours are open.
     visual.eval()
-    accuracy = {}
-    with torch.no_grad():
-        for difficulty in ("small", "easy", "hard"):
-            pixels, grid, targets = perception_batch(env.eval_mazes(difficulty, 32), image_processor, rng)
-            right = (head(visual(pixels, grid_thw=grid).pooler_output) > 0) == (targets > 0.5)
-            at_agent = targets[:, PERCEPTION_TARGETS.index("agent")] > 0.5
-            accuracy[difficulty] = {**dict(zip(PERCEPTION_TARGETS, right.float().mean(0).tolist())),
-                                    "agent's neighbours": right[at_agent, 3:].float().mean().item()}
+    accuracy = heldout_accuracy(visual, head, image_processor, rng, task)
+    if curve_every:
+        curve.append({"step": steps, "loss": loss.item(), "heldout": accuracy})
     return accuracy
 
 
-def build(out_dir: Path, seed: int = 0, vocab_size: int = 1024, vision_steps: int = VISION_STEPS,
-          text_layers: int = TEXT_LAYERS, progress: bool = True) -> Path:
-    import torch
-    from transformers import (GenerationConfig, Qwen2VLImageProcessor, Qwen3VLConfig,
-                              Qwen3VLForConditionalGeneration, Qwen3VLProcessor)
-    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+def build_image_processor(task: str = "ours"):
+    """The tiny model's image processor for `task`, as `build` saves it."""
+    from transformers import Qwen2VLImageProcessor
 
-    tokenizer = build_tokenizer(vocab_size)
-    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
     # Pixel budget: enough for an 11x11 maze at 32 px (352x352) without resizing, small minimum so
     # a 5x5 maze (160x160) is not upscaled. 16 px patches merged 2x2 -> one token per 32x32 cell.
+    # Task "visgym" raises the minimum so a 225 px frame is upscaled to 288 px (TASKS' comment).
     #
     # Pixel normalisation: centred between the maze's two main colours, white path (1.0) and gray
     # wall (0.66). With Qwen's usual mean 0.5 both are positive multiples of (1, 1, 1), so a
@@ -226,11 +286,22 @@ def build(out_dir: Path, seed: int = 0, vocab_size: int = 1024, vision_steps: in
     # linear, its bias starts at 0) and the vision tower's LayerNorms make them identical: a
     # random-init model then literally cannot see the walls (cosine 0.99 between wall and path
     # tokens), and SFT learns to ignore the image. Centred at 0.8 they point opposite ways.
-    image_processor = Qwen2VLImageProcessor(
+    return Qwen2VLImageProcessor(
         patch_size=16, merge_size=2, temporal_patch_size=2,
-        min_pixels=64 * 64, max_pixels=512 * 512,
+        min_pixels=MIN_PIXELS[_check_task(task)], max_pixels=MAX_PIXELS,
         image_mean=[0.8, 0.8, 0.8], image_std=[0.2, 0.2, 0.2],
     )
+
+
+def build(out_dir: Path, seed: int = 0, vocab_size: int = 1024, vision_steps: int = VISION_STEPS,
+          text_layers: int = TEXT_LAYERS, progress: bool = True, task: str = "ours", curve_every: int = 0) -> Path:
+    import torch
+    from transformers import GenerationConfig, Qwen3VLConfig, Qwen3VLForConditionalGeneration, Qwen3VLProcessor
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+
+    tokenizer = build_tokenizer(vocab_size)
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+    image_processor = build_image_processor(task)
     video_processor = Qwen3VLVideoProcessor(patch_size=16, merge_size=2, temporal_patch_size=2)
     processor = Qwen3VLProcessor(image_processor=image_processor, tokenizer=tokenizer,
                                  video_processor=video_processor, chat_template=CHAT_TEMPLATE)
@@ -259,11 +330,12 @@ def build(out_dir: Path, seed: int = 0, vocab_size: int = 1024, vision_steps: in
     )
     torch.manual_seed(seed)
     model = Qwen3VLForConditionalGeneration(config).to(torch.float32)
+    curve = []
     vision_accuracy = pretrain_vision(model.model.visual, image_processor, steps=vision_steps, seed=seed,
-                                      progress=progress)
+                                      progress=progress, task=task, curve_every=curve_every, curve=curve)
     if text_layers != TEXT_LAYERS:
         # Another language-model depth behind the very same eyes: the vision tower just trained is
-        # the default build's bit for bit, so a depth comparison changes one thing only.
+        # the default depth's bit for bit (of the same task), so a depth comparison changes one thing only.
         config.text_config.num_hidden_layers = text_layers
         torch.manual_seed(seed + 1)
         other = Qwen3VLForConditionalGeneration(config).to(torch.float32)
@@ -281,10 +353,14 @@ def build(out_dir: Path, seed: int = 0, vocab_size: int = 1024, vision_steps: in
         model.save_pretrained(tmp, safe_serialization=True)
         processor.save_pretrained(tmp)
         n_params = sum(p.numel() for p in model.parameters())
-        (tmp / "BUILD_INFO.json").write_text(json.dumps(
-            {"fingerprint": fingerprint(seed, vision_steps, text_layers), "seed": seed, "parameters": n_params,
-             "text_layers": text_layers,
-             "vision_steps": vision_steps, "vision_heldout_accuracy": vision_accuracy}, indent=2))
+        info = {"fingerprint": fingerprint(seed, vision_steps, text_layers, task), "seed": seed,
+                "parameters": n_params, "text_layers": text_layers,
+                "vision_steps": vision_steps, "vision_heldout_accuracy": vision_accuracy}
+        if task != "ours":  # (the default build's record keeps its exact form)
+            info = {**info, "task": task, "min_pixels": MIN_PIXELS[task]}
+        if curve:
+            info["vision_heldout_curve"] = curve
+        (tmp / "BUILD_INFO.json").write_text(json.dumps(info, indent=2))
         tmp.chmod(0o755)  # mkdtemp makes it private; the model is meant to be shared
         if out_dir.exists():
             shutil.rmtree(out_dir)
@@ -294,15 +370,16 @@ def build(out_dir: Path, seed: int = 0, vocab_size: int = 1024, vision_steps: in
     return out_dir
 
 
-def ensure_tiny_model(out_dir: Path = DEFAULT_DIR, seed: int = 0, force: bool = False,
-                      text_layers: int = TEXT_LAYERS) -> Path:
-    """Return the tiny model directory, building it only if missing or built from another recipe."""
-    out_dir = Path(out_dir)
+def ensure_tiny_model(out_dir: Path | None = None, seed: int = 0, force: bool = False,
+                      text_layers: int = TEXT_LAYERS, task: str = "ours") -> Path:
+    """Return the tiny model directory (by default the task's own, TASK_DIRS), building it only if
+    missing or built from another recipe (another task is another recipe)."""
+    out_dir = Path(out_dir or TASK_DIRS[_check_task(task)])
     info = out_dir / "BUILD_INFO.json"
     if not force and info.exists():
-        if json.loads(info.read_text()).get("fingerprint") == fingerprint(seed, text_layers=text_layers):
+        if json.loads(info.read_text()).get("fingerprint") == fingerprint(seed, text_layers=text_layers, task=task):
             return out_dir
-    return build(out_dir, seed=seed, text_layers=text_layers)
+    return build(out_dir, seed=seed, text_layers=text_layers, task=task)
 
 
 def random_lora(model_dir, out_dir, *, rank: int = 8, seed: int = 0, b_std: float = 0.5):
@@ -330,14 +407,25 @@ def random_lora(model_dir, out_dir, *, rank: int = 8, seed: int = 0, b_std: floa
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=DEFAULT_DIR)
+    parser.add_argument("--out", type=Path, default=None, help="default: the task's own directory "
+                        f"({', '.join(f'{t}: {d.relative_to(ROOT)}' for t, d in TASK_DIRS.items())})")
+    parser.add_argument("--task", default="ours", choices=list(TASKS),
+                        help="what the eyes are built for: ours (32 px cells, every size) or visgym (VisGym's easy)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--force", action="store_true", help="rebuild even if an identical build exists")
     parser.add_argument("--text-layers", type=int, default=TEXT_LAYERS, help="language-model depth")
+    parser.add_argument("--curve-every", type=int, default=0,
+                        help="N > 0: (re)build, recording the vision tower's held-out accuracy every N steps in "
+                             "BUILD_INFO.json (vision_heldout_curve); the weights are the same as without it")
     args = parser.parse_args()
     if args.text_layers < 1:
         parser.error("--text-layers must be at least 1")
-    path = ensure_tiny_model(args.out, seed=args.seed, force=args.force, text_layers=args.text_layers)
+    if args.curve_every > 0:
+        path = build(args.out or TASK_DIRS[args.task], seed=args.seed, text_layers=args.text_layers, task=args.task,
+                     curve_every=args.curve_every)
+    else:
+        path = ensure_tiny_model(args.out, seed=args.seed, force=args.force, text_layers=args.text_layers,
+                                 task=args.task)
     info = json.loads((path / "BUILD_INFO.json").read_text())
     print(f"tiny Qwen3-VL at {path} ({info['parameters']:,} parameters, fingerprint {info['fingerprint']})")
 

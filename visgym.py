@@ -7,11 +7,13 @@ reply). The rules and the strict reward stay env.py's, and so do the mazes:
 env.generate_maze_visgym gives VisGym's maze for a seed. Everything is checked against facts
 recorded from VisGym's own code (tests/data/visgym_maze2d.json, tests/test_visgym.py).
 
-The 25 px cells do not line up with the tiny model's 32 px merged patches (16 px patch x spatial
-merge 2). Its processor also resizes to a multiple of 32 px first (225 -> 224, 275 -> 288), so a
-9x9 maze arrives as 7x7 visual tokens for 81 cells, each token mixing parts of up to four cells
-at varying offsets. The perception pretraining, done at 32 px (one cell = one token), does not
-cover that: the style would need its own pretraining on 25 px renders as the processor sees them.
+The 25 px cells do not line up with the default tiny model's 32 px merged patches (16 px patch x
+spatial merge 2): its processor resizes to a multiple of 32 px first (225 -> 224, 275 -> 288), so a
+9x9 maze arrives as 7x7 visual tokens for 81 cells, each token mixing parts of up to four cells at
+varying offsets, and its eyes are pretrained on 32 px drawings only. The tiny build for this style
+(`python tiny_model.py --task visgym`, .cache/tiny-qwen3-vl-visgym) upscales a 225 px frame to
+288 px instead, one 25 px cell per token, and pretrains its eyes on this module's drawings of
+VisGym's mazes. It lines up for easy (9x9) only.
 
 SkyRL's shaped reward for its VisGym recipe is here too, for comparison only.
 """

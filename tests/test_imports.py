@@ -13,7 +13,7 @@ ALLOWED = {
     "grpo": set(),
     "distributed": set(),
     "vllm_engine": set(),
-    "tiny_model": {"env", "vllm_engine"},
+    "tiny_model": {"env", "visgym", "vllm_engine"},  # visgym: the VisGym build draws with render_visgym
     "visgym": {"env"},
     "rollout": {"env", "visgym", "vllm_engine"},
     "config": {"env", "vllm_engine"},

@@ -82,13 +82,14 @@ def test_sft_then_grpo_smoke_in_the_visgym_style(tmp_path, tiny_model):
     """A few SFT steps write an ordinary HF model that train.py starts GRPO from; the whole
     pipeline in the VisGym-compatible style (its mazes, 25 px drawing, texts and parser). The SFT
     goes through a LoRA (--lora-rank), merged on the way out: the projections moved, the
-    embeddings and the vision tower are the base's, bit for bit."""
+    embeddings and the vision tower are the base's, bit for bit. --save-every writes a merged
+    mid-run snapshot beside it."""
     from safetensors.torch import load_file
 
     sft_out = tmp_path / "sft"
     proc = subprocess.run([sys.executable, "sft.py", "--out", str(sft_out), "--steps", "3", "--batch-size", "8",
                            "--log-every", "1", "--env-style", "visgym", "--difficulty", "easy", "--lora-rank", "4",
-                           "--warmup", "0", "--lr", "1e-2"],
+                           "--warmup", "0", "--lr", "1e-2", "--save-every", "2"],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (sft_out / "model" / "config.json").exists() and (sft_out / "model" / "chat_template.jinja").exists()
@@ -98,6 +99,12 @@ def test_sft_then_grpo_smoke_in_the_visgym_style(tmp_path, tiny_model):
     moved = {k for k in base if not (base[k] == tuned[k]).all()}
     assert set(base) == set(tuned) and moved
     assert all(k.endswith("_proj.weight") and "language_model" in k for k in moved)
+    snapshot = sft_out / "model_step_2"
+    assert json.loads((snapshot / "SFT_INFO.json").read_text())["snapshot_step"] == 2
+    assert not list(snapshot.glob("adapter_*")) and not (sft_out / "model_step_3").exists()
+    earlier = load_file(str(snapshot / "model.safetensors"))
+    assert set(earlier) == set(base) and {k for k in base if not (base[k] == earlier[k]).all()} <= moved
+    assert any(not (earlier[k] == tuned[k]).all() for k in moved)  # step 3 moved on from it
     lines = [json.loads(line) for line in (sft_out / "sft_metrics.jsonl").read_text().splitlines()]
     assert [line["step"] for line in lines] == [1, 2, 3, 3]  # one per step, then the image-reliance check
     assert 0 <= lines[-1]["heldout_action_accuracy"] <= 1

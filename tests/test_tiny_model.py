@@ -164,3 +164,95 @@ def test_peft_adapter_changes_vllm_output(engine, warm_start, tmp_path):
 
     assert (prompt_lps(base) - prompt_lps(tuned)).abs().max() > 0.1
     assert base.outputs[0].token_ids != tuned.outputs[0].token_ids
+
+
+# ----------------------------------------------------------------------------- the VisGym build
+
+def test_default_build_keeps_its_fingerprint_beside_the_visgym_task():
+    """The task is a knob of the recipe that leaves the default build alone: existing results
+    (BUILD_INFO 35b3004615208e81, BUILD_VERSION 3) stay valid. Change the literal only with a
+    deliberate rebuild of the default model."""
+    from tiny_model import TASK_DIRS, fingerprint
+
+    assert fingerprint(0) == fingerprint(0, task="ours") == "35b3004615208e81"
+    assert fingerprint(0, task="visgym") != fingerprint(0)
+    assert TASK_DIRS["visgym"] != TASK_DIRS["ours"]
+
+
+def test_visgym_processor_gives_one_token_per_25px_cell():
+    """A 225 px VisGym frame (9x9 cells of 25 px) becomes 288 px, 18x18 patches, 9x9 merged
+    tokens; the default processor rounds it down to 224 px, 7x7 tokens for 81 cells."""
+    import visgym
+    from tiny_model import build_image_processor
+
+    maze = env.generate_maze_visgym(9, 0)
+    frame = visgym.render_visgym(maze, maze.start)
+    assert frame.size == (225, 225)
+    assert build_image_processor("visgym")(images=[frame], return_tensors="pt")["image_grid_thw"].tolist() == [[1, 18, 18]]
+    assert build_image_processor("ours")(images=[frame], return_tensors="pt")["image_grid_thw"].tolist() == [[1, 14, 14]]
+
+
+class _AlwaysVacate:
+    """random.Random that always takes the first branch of a `random() < share` draw."""
+
+    def __init__(self, seed):
+        import random
+
+        self.rng = random.Random(seed)
+
+    def choice(self, seq):
+        return self.rng.choice(seq)
+
+    def random(self):
+        return 0.0
+
+
+def _token_blocks(pixel_values, n_tokens):
+    """(n_tokens, 32, 32, 3) RGB in [0, 1] of each merged token, undoing the processor's
+    normalisation and its patch order (merged token, then its 2x2 patches; channel, time, 16x16)."""
+    patches = pixel_values.reshape(n_tokens, 2, 2, 3, 2, 16, 16)[:, :, :, :, 0] * 0.2 + 0.8
+    return patches.permute(0, 1, 4, 2, 5, 3).reshape(n_tokens, 32, 32, 3)
+
+
+def test_visgym_perception_targets_line_up_with_the_tokens():
+    """Each 25 px cell of VisGym's drawing is one merged token after the processor's resize, and
+    the targets of cell (r, c) sit at token r * 9 + c: what each token's pixels show (wall gray,
+    path white, the red target, the blue agent) is what its targets say. With every goal vacated,
+    the target shows VisGym's white hole inside its red border."""
+    from tiny_model import PERCEPTION_TARGETS, build_image_processor, perception_batch
+
+    mazes = env.eval_mazes("easy", 4, style="visgym")
+    pixels, grid, targets = perception_batch(mazes, build_image_processor("visgym"), _AlwaysVacate(0), "visgym")
+    assert grid.tolist() == [[1, 18, 18]] * len(mazes) and len(targets) == 81 * len(mazes)
+    blocks = _token_blocks(pixels, len(targets))
+    column = {name: targets[:, i] > 0.5 for i, name in enumerate(PERCEPTION_TARGETS)}
+    for i, block in enumerate(blocks):
+        centre = block[8:24, 8:24].reshape(-1, 3).mean(0)
+        if column["agent"][i]:
+            assert centre[2] - centre[0] > 0.3, (i, centre)  # mostly the blue disc
+        elif column["goal"][i]:
+            corner = block[:4, :4].reshape(-1, 3).mean(0)
+            assert corner[0] > 0.9 and corner[1] < 0.1, (i, corner)  # red border
+            assert block[12:20, 12:20].min() > 0.9, i  # the white hole where the agent stood
+        elif column["wall"][i]:
+            assert (centre - 169 / 255).abs().max() < 0.02, (i, centre)
+        else:
+            assert centre.min() > 0.98, (i, centre)
+
+
+def test_visgym_build_is_saved_with_its_resize(tmp_path):
+    """The saved directory is what rollouts load (AutoProcessor): 81 image tokens for a VisGym
+    easy frame, and BUILD_INFO names the task."""
+    import visgym
+    from tiny_model import build, fingerprint
+
+    out = build(tmp_path / "visgym", seed=0, vision_steps=2, progress=False, task="visgym")
+    info = json.loads((out / "BUILD_INFO.json").read_text())
+    assert info["task"] == "visgym" and info["fingerprint"] == fingerprint(0, 2, task="visgym")
+    assert set(info["vision_heldout_accuracy"]) == {"easy"}
+    processor = AutoProcessor.from_pretrained(out)
+    maze = env.generate_maze_visgym(9, 1)
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "go"}]}]
+    text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    batch = processor(text=[text], images=[visgym.render_visgym(maze, maze.start)], return_tensors="pt")
+    assert (batch["input_ids"] == processor.image_token_id).sum().item() == 81
