@@ -101,10 +101,29 @@ def time_to(metrics: list[dict], evals: list[dict], rate: float):
     return hit["step"], sum(m["step_s"] for m in metrics if m["step"] <= hit["step"])
 
 
-def solvable(difficulty: str, n: int, max_turns: int) -> int:
+def solvable(difficulty: str, n: int, max_turns: int, style: str = "ours") -> int:
     """How many of the n evaluation mazes can be solved at all within max_turns (the ceiling):
     the shortest path's moves plus the final stop must fit. On 9x9 mazes with 15 turns, not all can."""
-    return sum(len(env.solve(maze)) <= max_turns for maze in env.eval_mazes(difficulty, n))
+    return sum(len(env.solve(maze)) <= max_turns for maze in env.eval_mazes(difficulty, n, style))
+
+
+def visgym_solved(model: str, adapter: str, n: int, max_turns: int, max_new_tokens: int) -> tuple[int, int]:
+    """Greedy strict solves of VisGym's n easy evaluation seeds within max_turns by the warm start
+    alone and with `adapter` (one engine for both). VisGym's own protocol allows 20 turns, the
+    published run 15. SkyRL's pass metric (reward > 0) counts the same mazes for a policy that
+    writes no SkyRL tags: its format share is 0, so its reward is 0.8 x solved."""
+    import evaluation
+    from experiments.eval_policy import load_policy
+
+    engine, lora_request, chat = load_policy(model, adapter, max_turns)
+    settings = visgym.EnvSettings(style="visgym", max_turns=max_turns)
+    solved = []
+    for request, name in ((None, "warm start"), (lora_request, "final")):
+        replies = evaluation.engine_replies(engine, request, max_new_tokens, chat.banned_token_ids)
+        episodes = evaluation.play_chat_episodes(env.eval_mazes("easy", n, "visgym"), replies, settings,
+                                                 desc=f"{name}, {max_turns} turns")
+        solved.append(sum(e.solved for e in episodes))
+    return solved[0], solved[1]
 
 
 def run_row(run: Path, target: float) -> dict:
@@ -191,7 +210,16 @@ def lift_record(run: Path, kind: str, command: str) -> dict:
     else:
         print(f"{run}: forks not scored (its model {config.get('model')!r} or {final_adapter} is not here, "
               f"or its style is not ours)")
-    return {"kind": kind, "run": str(run), "seed": config["seed"], "difficulty": evals[0]["difficulty"],
+    visgym_fields = {}
+    if config.get("env_style") == "visgym" and final_adapter.is_dir():
+        n, turns = evals[0]["total"], config["max_turns"]
+        before_20, after_20 = visgym_solved(config["model"], str(final_adapter), n, 20, config["max_new_tokens"])
+        visgym_fields = {"env_style": "visgym", "max_turns": turns,
+                         "solvable": solvable(evals[0]["difficulty"], n, turns, "visgym"),
+                         "solved_20_before": before_20, "solved_20_after": after_20,
+                         "solvable_20": solvable(evals[0]["difficulty"], n, 20, "visgym")}
+        print(f"{run}: VisGym's protocol (20 turns) {before_20}/{n} before GRPO, {after_20}/{n} at the end")
+    return {**visgym_fields, "kind": kind, "run": str(run), "seed": config["seed"], "difficulty": evals[0]["difficulty"],
             "total": evals[0]["total"], "warm_start_solved": evals[0]["solved"], "best_solved": best["solved"],
             "best_step": best["step"], "final_solved": evals[-1]["solved"], "final_step": evals[-1]["step"],
             # the published policy is the tail average over the last average_frac of the steps
@@ -239,6 +267,28 @@ def records_table(records: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def visgym_table(records: list[dict]) -> str:
+    """The README's VisGym maze_2d easy table, beside the published walkthrough's: strict greedy
+    solves at the published run's 15 turns (of those that fit) and at VisGym's 20, per seed."""
+    rows = sorted(records, key=lambda r: r["seed"])
+    lines = ["| seed | warm start, 15 turns | GRPO best (step) | GRPO final, 15 turns | of the solvable | lift, final | "
+             "20 turns (VisGym's protocol): warm start -> final |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        n = r["total"]
+        lines.append(f"| {r['seed']} | {r['warm_start_solved']}/{n} | {r['best_solved']}/{n} ({r['best_step']}) | "
+                     f"{r['final_solved']}/{n} ({r['final_step']}) | {r['final_solved']}/{r['solvable']} "
+                     f"({100 * r['final_solved'] / r['solvable']:.0f}%) | "
+                     f"{100 * (r['final_solved'] - r['warm_start_solved']) / n:+.1f} points | "
+                     f"{r['solved_20_before']}/{n} -> {r['solved_20_after']}/{n} |")
+    if rows:
+        lifts = [100 * (r["final_solved"] - r["warm_start_solved"]) / r["total"] for r in rows]
+        lines += ["", f"Final lift {sum(lifts) / len(lifts):+.1f} points mean (seeds "
+                      f"{', '.join(f'{x:+.1f}' for x in lifts)}). SkyRL's pass metric (reward > 0) counts the "
+                      "same mazes as the strict one here: the policy writes no SkyRL tags."]
+    return "\n".join(lines)
+
+
 def record(records: list[dict], path: Path = RESULTS):
     """Add (or replace, by run dir) records in the results file, atomically."""
     old = json.loads(path.read_text()) if path.exists() else []
@@ -256,15 +306,17 @@ def main():
     parser.add_argument("--table", default="", help="print the README's table of the recorded runs whose run dir "
                         "contains this text (runs/mainb-seed: the three branch runs), from the results file, and stop")
     parser.add_argument("--target", type=float, default=0.9, help="solve rate for the time-to-target columns")
-    parser.add_argument("--record", default="", choices=["", "main", "long", "control"],
+    parser.add_argument("--record", default="", choices=["", "main", "long", "control", "visgym-easy"],
                         help="also add each run to docs/results/rl_lift.json as this kind (control: a run "
                              "that isolates one change against main runs, not the recipe)")
     parser.add_argument("--command", default="", help="the command that made the runs (for --record)")
     parser.add_argument("--results", type=Path, default=RESULTS, help="the results file --record writes")
     args = parser.parse_args()
     if args.table:
-        recorded = json.loads(args.results.read_text()) if args.results.exists() else []
-        print(records_table([r for r in recorded if args.table in r["run"]]))
+        recorded = [r for r in (json.loads(args.results.read_text()) if args.results.exists() else [])
+                    if args.table in r["run"]]
+        visgym_runs = [r for r in recorded if r.get("env_style") == "visgym"]
+        print(visgym_table(visgym_runs) if visgym_runs else records_table(recorded))
         return
     if not args.runs:
         parser.error("give run directories (or --table)")
@@ -292,7 +344,9 @@ def main():
             print(f"\nsampled solve rate (temperature {sampled_temperature(config)}, held-out mazes): "
                   f"{evals[0]['sampled_solve_rate']:.3f} before GRPO, {evals[-1]['sampled_solve_rate']:.3f} after")
     first, max_turns = evals[0], config["max_turns"]
-    print(f"\n{solvable(first['difficulty'], first['total'], max_turns)} of the {first['total']} {first['difficulty']} "
+    style = config.get("env_style", "ours")
+    print(f"\n{solvable(first['difficulty'], first['total'], max_turns, style)} of the {first['total']} "
+          f"{first['difficulty']}{' (VisGym)' if style == 'visgym' else ''} "
           f"evaluation mazes can be solved within {max_turns} turns (shortest path plus stop)")
     print()
     print(seeds_table([run_row(run, args.target) for run in args.runs], args.target))

@@ -741,3 +741,24 @@ def test_the_readmes_table_comes_from_the_recorded_runs(tmp_path):
     assert [r.split("|")[1].strip() for r in rows] == ["0", "1", "2"]
     assert "| 38/64 (150) | +12.5 points | 70 -> 80 of 108 | 30 -> 31 |" in rows[2]
     assert "Final lift +6.2 points mean (seeds +0.0, +6.2, +12.5); final below best by 15.6, 9.4, 3.1" in proc.stdout
+
+
+def test_the_visgym_table_counts_the_mazes_that_fit(tmp_path):
+    """VisGym easy: the table's share is of the mazes that fit the turn limit (50 of VisGym's 64 seeds
+    at 15 turns, all 64 at 20: experiments/count_fits.py), and run.sh refuses an unknown TASK."""
+    from launch.report import solvable
+
+    assert solvable("easy", 64, 15, "visgym") == 50 and solvable("easy", 64, 20, "visgym") == 64
+    records = [{"kind": "visgym-easy", "env_style": "visgym", "run": f"runs/v-seed{s}/grpo", "seed": s, "total": 64,
+                "warm_start_solved": 25, "best_solved": 40, "best_step": 60, "final_solved": 35 + s,
+                "final_step": 100, "solvable": 50, "solved_20_before": 27, "solved_20_after": 40 + s}
+               for s in (1, 0)]
+    (tmp_path / "r.json").write_text(json.dumps(records))
+    proc = subprocess.run([sys.executable, "launch/report.py", "--table", "runs/v-seed", "--results",
+                           str(tmp_path / "r.json")], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "| 0 | 25/64 | 40/64 (60) | 35/64 (100) | 35/50 (70%) | +15.6 points | 27/64 -> 40/64 |" in proc.stdout
+    assert "Final lift +16.4 points mean (seeds +15.6, +17.2)" in proc.stdout
+    proc = subprocess.run(["bash", "launch/run.sh"], cwd=ROOT, env={**os.environ, "TASK": "visgym"},
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "TASK must be main or visgym-easy, not 'visgym'" in proc.stderr
