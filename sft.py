@@ -30,9 +30,7 @@ import argparse
 import copy
 import itertools
 import json
-import os
 import random
-import shutil
 import sys
 import tempfile
 import time
@@ -46,6 +44,7 @@ import grpo
 import policy
 import rollout
 import rundir
+import storage
 import visgym
 from config import Config
 
@@ -162,11 +161,9 @@ def write_model(model, processor, base: str, final: Path, info: dict) -> None:
         GenerationConfig.from_pretrained(base).save_pretrained(tmp)  # the base model's end-of-reply tokens
         (tmp / "SFT_INFO.json").write_text(json.dumps(info, indent=2))
         tmp.chmod(0o755)
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+        storage.publish_dir(tmp, final)
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        storage.remove_tmp(tmp)
 
 
 def main():

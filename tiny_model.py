@@ -181,10 +181,11 @@ def perception_batch(mazes, image_processor, rng, task: str = "ours"):
     import env
     import visgym
 
+    visgym_drawing = _check_task(task) == "visgym"
     images, targets = [], []
     for maze in mazes:
         agent = rng.choice([(r, c) for r in range(maze.size) for c in range(maze.size) if maze.is_open((r, c))])
-        if _check_task(task) == "visgym":
+        if visgym_drawing:
             vacated = [maze.goal] if agent != maze.goal and rng.random() < VACATED_GOAL_SHARE else []
             images.append(visgym.render_visgym(maze, agent, vacated=vacated))
         else:
@@ -265,7 +266,6 @@ def pretrain_vision(visual, image_processor, *, steps: int = VISION_STEPS, batch
                           "heldout": heldout_accuracy(visual, head, image_processor, curve_rng, task)})
     # Held out: the evaluation mazes themselves, seen here for the first time. What a policy needs
     # most is the agent's own cell: which of its four neighbours are open.
-    visual.eval()
     accuracy = heldout_accuracy(visual, head, image_processor, rng, task)
     if curve_every:
         curve.append({"step": steps, "loss": loss.item(), "heldout": accuracy})

@@ -27,7 +27,7 @@ ALLOWED = {
     "evaluation": {"average", "distributed", "env", "policy", "rollout", "rundir", "visgym", "vllm_engine"},
     "train": {"average", "branch", "checkpoint", "config", "distributed", "env", "evaluation", "grpo", "policy",
               "rollout", "rundir", "storage", "update", "visgym", "vllm_engine"},
-    "sft": {"config", "env", "grpo", "policy", "rollout", "rundir", "visgym"},
+    "sft": {"config", "env", "grpo", "policy", "rollout", "rundir", "storage", "visgym"},
     "serve": {"checkpoint", "config", "env", "evaluation", "policy", "rollout", "visgym", "vllm_engine"},
 }
 
