@@ -11,12 +11,15 @@ output of experiments/eval_policy.py or `serve.py eval`) and classified by two q
   ends in a two-cell loop             the last 6 positions alternate between two cells: the agent
                                       bounces between a dead end and the cell before it
 
-Also printed: how many of the mazes have a shortest path that only ever moves towards the goal.
-No model is loaded.
+Also printed: how many of the mazes have a shortest path that only ever moves towards the goal,
+and over the failed mazes the turns spent bumping into walls and the cells left between the agent
+and the goal at the end (how lost a failure is, against how close). Both styles (`env_style` of
+the result) are replayed by their own env. No model is loaded.
 """
 
 import argparse
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -24,6 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import env  # noqa: E402
+import visgym  # noqa: E402
 from experiments.eval_policy import mazes_played  # noqa: E402
 
 
@@ -31,39 +35,43 @@ def manhattan(a, b) -> int:
     return abs(a[0] - b[0]) + abs(a[1] - b[1])
 
 
-def replay(maze, replies: list) -> tuple[list, tuple | None]:
-    """The cells the agent stood on (start first) and its first move off a shortest path, as
-    (cell, action string or None for an invalid reply), or None if it never left one."""
-    cell, cells, first_wrong = maze.start, [maze.start], None
+def replay(maze, replies: list, style: str = "ours") -> tuple[list, tuple | None, int]:
+    """The cells the agent stood on (start first), its first move off a shortest path, as (cell,
+    action string or None for an invalid reply) or None if it never left one, and its wall bumps."""
+    game = visgym.make_env(maze, style, max_turns=max(len(replies), 1))
+    cells, first_wrong, bumps = [maze.start], None, 0
     for reply in replies:
-        parsed = env.parse_action(reply)
+        cell, (parsed, _) = game.agent, game.read_action(reply)
         action = None if parsed is None else env.STOP_ACTION if parsed[0] == "stop" else env.ACTION_STRINGS[parsed[1]]
         if first_wrong is None and cell != maze.goal and action != env.solve(maze, start=cell)[0]:
             first_wrong = (cell, action)
-        if parsed is not None and parsed[0] == "move":
-            dr, dc = env.MOVE_DELTAS[parsed[1]]
-            if maze.is_open((cell[0] + dr, cell[1] + dc)):
-                cell = (cell[0] + dr, cell[1] + dc)
-        cells.append(cell)
-    return cells, first_wrong
+        bumps += game.step(reply).bumped
+        cells.append(game.agent)
+        if game.done:
+            break
+    return cells, first_wrong, bumps
 
 
 def classify(result: dict) -> dict:
     """Counts over the failed mazes of one evaluation result (the JSON's dict)."""
     # train.py's results are evaluation mazes; experiments/eval_policy.py says which it played
-    mazes = mazes_played(result["difficulty"], result["total"], result.get("mazes_played", "evaluation"))
+    style = result.get("env_style", "ours")
+    mazes = mazes_played(result["difficulty"], result["total"], result.get("mazes_played", "evaluation"), style)
     for row in result["mazes"]:
         if "seed" in row and row["seed"] != mazes[row["maze_index"]].seed:
             raise SystemExit(f"maze {row['maze_index']} has seed {row['seed']}, not the replayed maze's "
                              f"{mazes[row['maze_index']].seed}: these are not the mazes this result was played on")
     counts = {"mazes": len(mazes), "failed": 0, "first_wrong_towards_goal": 0, "two_cell_loop": 0,
-              "monotone_shortest_path": sum(len(env.solve(m)) - 1 == manhattan(m.start, m.goal) for m in mazes)}
+              "monotone_shortest_path": sum(len(env.solve(m)) - 1 == manhattan(m.start, m.goal) for m in mazes),
+              "bumps": 0, "end_distances": []}
     for row in result["mazes"]:
         if row["solved"]:
             continue
         maze = mazes[row["maze_index"]]
-        cells, first_wrong = replay(maze, row["replies"])
+        cells, first_wrong, bumps = replay(maze, row["replies"], style)
         counts["failed"] += 1
+        counts["bumps"] += bumps
+        counts["end_distances"].append(env.goal_distances(maze)[cells[-1]])
         counts["two_cell_loop"] += len(cells) >= 6 and len(set(cells[-6:])) == 2
         if first_wrong is not None and first_wrong[1] in env.ACTION_STRINGS[:4]:
             cell, (dr, dc) = first_wrong[0], env.MOVE_DELTAS[env.ACTION_STRINGS.index(first_wrong[1])]
@@ -80,7 +88,9 @@ def main():
         c = classify(json.loads(path.read_text()))
         print(f"{path}: failed {c['failed']}/{c['mazes']}; first wrong move towards the goal "
               f"{c['first_wrong_towards_goal']}, ends in a two-cell loop {c['two_cell_loop']}; "
-              f"{c['monotone_shortest_path']} mazes have a shortest path that only moves towards the goal")
+              f"{c['monotone_shortest_path']} mazes have a shortest path that only moves towards the goal; "
+              f"the failed ones bumped into walls {c['bumps']} times and ended a median "
+              f"{statistics.median(c['end_distances'] or [0])} cells from the goal")
 
 
 if __name__ == "__main__":

@@ -132,7 +132,27 @@ def test_failures_classifies_wrong_turns_towards_the_goal_and_two_cell_loops(tmp
 
     # an unreadable first reply is a wrong move, but not one towards the goal; a stop off the goal no loop
     rows[index]["replies"] = ["no idea", f"<answer>{env.STOP_ACTION}</answer>"]
-    assert classify(result) == {**counts, "first_wrong_towards_goal": 0, "two_cell_loop": 0}
+    start_distance = env.goal_distances(mazes[index])[mazes[index].start]
+    assert classify(result) == {**counts, "first_wrong_towards_goal": 0, "two_cell_loop": 0,
+                                "end_distances": [start_distance]}
+
+    # a VisGym result is replayed by VisGym's env: k right moves of 12 leave 12 - k cells, and each
+    # reply into a wall is a bump (k: the last cell of the path beside a wall, past where the styles agree)
+    visgym_mazes, our_mazes = env.eval_mazes("easy", 8, "visgym"), env.eval_mazes("easy", 8)
+    i = next(i for i in range(8) if env.solve(visgym_mazes[i]) != env.solve(our_mazes[i]))  # the styles differ
+    visgym_maze = visgym_mazes[i]
+    path, cell = env.solve(visgym_maze), visgym_maze.start
+    for j, move in enumerate(path[:-2], start=1):
+        dr, dc = env.MOVE_DELTAS[env.ACTION_STRINGS.index(move)]
+        cell = (cell[0] + dr, cell[1] + dc)
+        beside = [a for a, (dr, dc) in zip(env.ACTION_STRINGS, env.MOVE_DELTAS.values())
+                  if not visgym_maze.is_open((cell[0] + dr, cell[1] + dc))]
+        if beside:
+            k, walls = j, beside
+    visgym_result = {"difficulty": "easy", "env_style": "visgym", "total": 8, "mazes": [
+        {"maze_index": i, "solved": False, "replies": [f"<answer>{a}</answer>" for a in path[:k] + walls[:1] * 2]}]}
+    counts_visgym = classify(visgym_result)
+    assert counts_visgym["end_distances"] == [len(path) - 1 - k] and counts_visgym["bumps"] == 2
 
     # the training mazes of `eval_policy.py --training-mazes` are replayed as such; a wrong maze is refused
     stream = env.TrainMazeStream("small")
