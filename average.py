@@ -1,14 +1,12 @@
 """The policy a run publishes: the mean of its LoRA over the last steps (tail averaging).
 
-Between two evaluations of a GRPO run a quarter of the held-out mazes flip, solved to failed and
-back, while the count moves by a few: the greedy policy sits on near-ties that each update's noise
-tips one way or the other, so the last step's policy is a draw from the run's recent ones, not
-their best. The learning rate's decay to 0 (config.lr_schedule) quiets the last updates; averaging
-the policies of the last steps (Polyak-Ruppert tail averaging) removes more of the noise. Whether
-that beats the last step's own policy is not settled: the exact mean of a run's step-100 and
-step-150 adapters solved as many held-out mazes as its best evaluation, but in three later runs the
-tail average trailed the last policy at the final step, while that policy was still improving
-(docs/experiments.md, 2026-12-05 and 2026-12-06); `--average-frac 0` publishes the last policy.
+Between two evaluations of a GRPO run many held-out puzzles flip, solved to failed and back,
+while the count moves by a few: the greedy policy sits on near-ties that each update's noise tips
+one way or the other, so the last step's policy is a draw from the run's recent ones, not their
+best. The learning rate's decay to 0 (config.lr_schedule) quiets the last updates; averaging the
+policies of the last steps (Polyak-Ruppert tail averaging) removes more of the noise. How it
+compares with the last step's own policy is measured in docs/experiments.md; `--average-frac 0`
+publishes the last policy.
 Rollouts and updates stay on the current policy (on-policy); the average is what the run
 evaluates, exports and serves from the first step of its last `average_frac` on.
 

@@ -2,7 +2,7 @@
 
     <out>/checkpoints/step_<N>/   adapter_config.json, adapter_model.safetensors (LoRA),
                                   trainer_state.pt (optimizer, LR schedule, RNG states),
-                                  meta.json (step, maze stream, config, size + sha256 of every file)
+                                  meta.json (step, training stream, config, size + sha256 of every file)
     <out>/checkpoints/latest      the name of the newest published checkpoint
 
 Everything is written into a hidden temp dir, fsynced, and renamed into place in one step; meta.json
@@ -172,7 +172,7 @@ def write_checkpoint(out: Path, step: int, model, lora_state: dict, trainer_stat
 
 
 def load(path: Path, cfg, model, optimizer, scheduler, stream, log=print) -> dict:
-    """Restore LoRA, optimizer, schedule, RNG states and maze stream; returns the checkpoint's
+    """Restore LoRA, optimizer, schedule, RNG states and training stream; returns the checkpoint's
     meta.json (its step, process_hours, mismatch_bound and average_count among them).
 
     A checkpoint written with other meaningful settings (config.meaningful_fields) is refused
@@ -204,7 +204,7 @@ def load(path: Path, cfg, model, optimizer, scheduler, stream, log=print) -> dic
     set_rng_states(state["rng"][dist.get_rank() % len(state["rng"])])
     stream.load_state_dict(meta["stream"])
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    log(f"resumed from {path} at step {meta['step']} (training maze stream at {stream.position}"
+    log(f"resumed from {path} at step {meta['step']} (training stream at {stream.position}"
         + (f", torchrun restart {restart})" if restart != "0" else ")"))
     return meta
 
@@ -218,7 +218,7 @@ def load_average(path: Path, meta: dict) -> dict:
 
 def rng_states() -> dict:
     """This process's global random generators. What draws from them in a step: LoRA dropout
-    (--lora-dropout > 0) in the update. vLLM seeds each request itself, the maze stream and the
+    (--lora-dropout > 0) in the update. vLLM seeds each request itself, the training stream and the
     environment have generators of their own."""
     states = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
     if torch.cuda.is_available():

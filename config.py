@@ -4,7 +4,7 @@
     python train.py --help                          # every flag, grouped by the sections below
 
 Each field carries its own --help text and says whether it is *meaningful*: whether a different
-value on resume would change what the run is (the learning rate, the group size, the maze size)
+value on resume would change what the run is (the learning rate, the group size, the task's level)
 rather than only how it is carried out (the number of steps, intervals, paths, memory); --help
 marks those "[fixed on resume]", and the switches the recipe leaves off "[inactive in the recipe]". A checkpoint refuses to resume with other meaningful settings
 (checkpoint.config_changes, unless --resume-allow-changes true), and it learns which fields those
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from transformers import HfArgumentParser
 
-import env
+import tasks
 import vllm_engine
 
 
@@ -46,7 +46,7 @@ QWEN3_VL_RECIPE = {
     # branch rollouts lift the tiny main job (docs/experiments.md, 2026-12-03: +6.8 points against
     # a branch-free control's +1.0); untried on a real model and a GPU: the published plain GRPO
     "branch_points_per_group": 0,
-    # 48 mazes a step divide among 1, 2, 3, 4, 6 (the published run's), 8, 12, 16, 24 and 48
+    # 48 puzzles a step divide among 1, 2, 3, 4, 6 (the published run's), 8, 12, 16, 24 and 48
     # processes (tests/test_config.py starts every documented launch command at its world size)
     "prompts_per_step": 48,
     # a micro-batch's tokens, padded: 16k fits the update of Qwen3-VL-8B (and 2B) on 80 and 141 GB
@@ -58,25 +58,23 @@ RECIPES = {"tiny": {}, "qwen3-vl": QWEN3_VL_RECIPE}
 
 @dataclass
 class TaskConfig:
-    _argument_group_name = "task (the model and the mazes)"
+    _argument_group_name = "task (the model and what it plays)"
     model: str = setting("", "any HF Qwen3-VL directory or hub id; empty: the tiny model, built on first use",
                          meaningful=True)
     recipe: str = setting("auto", "the defaults to run with: tiny (the fields' own) | qwen3-vl (" +
                           ", ".join(f"{k} {v}" for k, v in QWEN3_VL_RECIPE.items()) + ", over the fields' "
                           "defaults; flags given win) | auto: qwen3-vl for a real Qwen3-VL, tiny for the tiny model")
-    difficulty: str = setting("small", "tiny 5x5 | small 7x7 | easy 9x9 (VisGym) | hard 11x11 (VisGym)",
-                              meaningful=True)
-    env_style: str = setting("ours", "ours | visgym: VisGym's maze for a seed, drawing, texts and parser (env.py)",
-                             meaningful=True)
-    cell_px: int = setting(env.CELL_PX_TINY, f"cell size in pixels: {env.CELL_PX_TINY} for style ours (one cell per merged "
-                                        f"visual token); with --env-style visgym and no --cell-px, VisGym's "
-                                        f"{env.CELL_PX_VISGYM}", meaningful=True)
+    task: str = setting("maze", "the task played (tasks/): " + " | ".join(
+        f"{name} ({', '.join(cls.levels)})" for name, cls in tasks.TASKS.items()) + " | module:Class, a task of "
+        "your own (env.Task)", meaningful=True)
+    difficulty: str = setting("small", "the task's level (its levels are listed with --task); the maze's: tiny 5x5, "
+                                       "small 7x7, easy 9x9 and hard 11x11 (VisGym's two)", meaningful=True)
     max_turns: int = setting(15, "turns per episode, in training and evaluation", meaningful=True)
     max_new_tokens: int = setting(8, "tokens per reply (the tiny model's reply is one move)", meaningful=True)
     max_model_len: int = setting(4096, "the engine's context length (prompt, images and replies)")
     max_images: int = setting(0, "keep only the last k images in the conversation; 0: the full history",
                               meaningful=True)
-    train_pool: int = setting(0, "0: an endless stream of new training mazes; N: the first N over and over",
+    train_pool: int = setting(0, "0: an endless stream of new training puzzles; N: the first N over and over",
                               meaningful=True, inactive=True)
 
 
@@ -84,9 +82,9 @@ class TaskConfig:
 class GRPOConfig:
     _argument_group_name = "GRPO (rollouts, rewards and the loss)"
     steps: int = setting(150, "training steps (one rollout batch and its update each)")
-    prompts_per_step: int = setting(4, "mazes per step over all ranks; each is played group_size times",
+    prompts_per_step: int = setting(4, "puzzles per step over all ranks; each is played group_size times",
                                     meaningful=True)
-    group_size: int = setting(8, "episodes per maze: the group whose mean reward is the baseline", meaningful=True)
+    group_size: int = setting(8, "episodes per puzzle: the group whose mean reward is the baseline", meaningful=True)
     temperature: float = setting(0.5, "rollout sampling temperature; the loss uses the same tempered policy",
                                  meaningful=True)
     scale_adv_by_std: bool = setting(True, "divide advantages by the group's std (false: Dr. GRPO)",
@@ -103,7 +101,7 @@ class GRPOConfig:
                            meaningful=True)
     tis_cap: float = setting(2.0, "truncated importance sampling against the engine's logprobs; 0: off",
                              meaningful=True)
-    branch_points_per_group: int = setting(2, "branch rollouts (branch.py): per group, up to this many forks its "
+    branch_points_per_group: int = setting(2, "branch rollouts (branch.py): per group, up to this many decision points its "
                                               "members passed are replayed with every open move forced and the "
                                               "policy finishing each; the best branch's move becomes a target, "
                                               "L = -w log pi_T(a* | s). 0: off", meaningful=True)
@@ -165,9 +163,9 @@ class EngineConfig:
 class RunConfig:
     _argument_group_name = "evaluation, checkpoints and paths"
     eval_interval: int = setting(25, "greedy held-out evaluation every N steps (and at the start and end)")
-    eval_mazes: int = setting(64, "held-out evaluation mazes (each evaluation also plays as many of the first "
-                                    "training mazes, or the pool's)", meaningful=True)
-    sampled_eval_samples: int = setting(8, "> 0: also the sampled solve rate, this many episodes a maze, at the "
+    eval_puzzles: int = setting(64, "held-out evaluation puzzles (each evaluation also plays as many of the first "
+                                    "training puzzles, or the pool's)", meaningful=True)
+    sampled_eval_samples: int = setting(8, "> 0: also the sampled solve rate, this many episodes a puzzle, at the "
                                            "start and the end")
     sampled_eval_temperature: float = setting(1.0, "the sampled evaluation's temperature (1: the policy itself)")
     probe_states: int = setting(32, "held-out first turns on which each step measures how far the update moved "
@@ -201,10 +199,12 @@ class Config(*reversed(SECTIONS)):
         problems = []
         if self.recipe not in ("auto", *RECIPES):
             problems.append(f"recipe must be auto or one of {list(RECIPES)}")
-        if self.difficulty not in env.DIFFICULTY_SIZES:
-            problems.append(f"difficulty must be one of {list(env.DIFFICULTY_SIZES)}")
-        if self.env_style not in env.MAZE_STYLES:
-            problems.append(f"env_style must be one of {list(env.MAZE_STYLES)}")
+        try:
+            levels = tasks.task_class(self.task).levels
+            if self.difficulty not in levels:
+                problems.append(f"difficulty must be one of {self.task}'s levels {list(levels)}")
+        except ValueError as e:
+            problems.append(str(e))
         if self.prompts_per_step % world_size:
             problems.append(f"prompts_per_step ({self.prompts_per_step}) must be a multiple of the "
                             f"number of processes ({world_size}) so every rank does the same work")
@@ -224,8 +224,8 @@ class Config(*reversed(SECTIONS)):
             problems.append("decay_frac must be in (0, 1]")
         if not 0 <= self.average_frac <= 1:
             problems.append("average_frac must be in [0, 1]")
-        if self.probe_states and self.eval_mazes < world_size:
-            problems.append(f"eval_mazes ({self.eval_mazes}) must be at least the number of processes "
+        if self.probe_states and self.eval_puzzles < world_size:
+            problems.append(f"eval_puzzles ({self.eval_puzzles}) must be at least the number of processes "
                             f"({world_size}) for every rank to probe a state (or probe_states 0)")
         if self.branch_points_per_group < 0 or self.branch_weight <= 0:
             problems.append("branch_points_per_group must be >= 0 and branch_weight > 0")
@@ -262,7 +262,7 @@ class Config(*reversed(SECTIONS)):
     def apply_recipe(self, name: str):
         """RECIPES[name]'s values, for every field a command line did not set (parse_config records
         which it did; a Config built in code counts the fields that differ from their defaults);
-        then the two defaults that follow another field: LoRA alpha the rank, cell_px the style."""
+        then the default that follows another field: LoRA alpha, the rank."""
         defaults = {f.name: f.default for f in dataclasses.fields(self)}
         given = getattr(self, "given", None)
         if given is None:
@@ -273,8 +273,6 @@ class Config(*reversed(SECTIONS)):
         self.recipe = name
         if "lora_alpha" not in given:
             self.lora_alpha = 2 * self.lora_rank
-        if "cell_px" not in given:
-            self.cell_px = env.cell_px_of(self.env_style)
 
 
 def meaningful_fields() -> list[str]:

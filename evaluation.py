@@ -1,7 +1,7 @@
 """Greedy evaluation, through the chat API, and the per-step probe of how far an update moved.
 
     result = evaluate_published(cfg, engine, chat, lora_request, tail, model, step, out, shared, run, base)
-    serve.py eval: play_chat_episodes(mazes, http_replies, ...) -> eval_rows -> eval_result
+    serve.py eval: play_chat_episodes(tasks, http_replies, ...) -> eval_rows -> eval_result
 
 Evaluation speaks the chat API: OpenAI-style messages with images as data URLs, replies as text.
 The trainer's eval sends them to its in-process engine (`LLM.chat`); `serve.py`'s eval client
@@ -22,7 +22,6 @@ import env
 import policy
 import rollout
 import rundir
-import visgym
 import vllm_engine
 from distributed import log0
 
@@ -70,133 +69,133 @@ def chat_messages(episode: rollout.Episode, max_images: int | None = None) -> li
     return messages
 
 
-def play_chat_episodes(mazes: list, reply_fn, env_settings: visgym.EnvSettings, *, max_images: int | None = None,
-                       desc: str = "eval", progress: bool = True) -> list:
-    """Play each maze once, every turn asking `reply_fn` for all active conversations at once
-    (the turns are text and images here: whoever answers tokenises them)."""
-    episodes, games = [], []
-    for i, maze in enumerate(mazes):
-        game = env_settings.make(maze)
+def play_chat_episodes(tasks: list, reply_fn, *, max_images: int | None = None, desc: str = "eval",
+                       progress: bool = True) -> list:
+    """Play each task once (on its own copy), every turn asking `reply_fn` for all active
+    conversations at once (the turns are text and images here: whoever answers tokenises them)."""
+    episodes = []
+    for i, task in enumerate(tasks):
+        game = task.clone()
         obs = game.reset()
-        episodes.append(rollout.Episode(maze=maze, group_id=i, sample_id=i,
-                                turns=[rollout.Turn(text=game.first_text(obs), image=obs.image, cell=game.agent)]))
-        games.append(game)
-    bar = tqdm(total=len(mazes), desc=desc, unit="maze", disable=not progress, leave=False)
+        episodes.append(rollout.Episode(task=game, group_id=i, sample_id=i, turns=[
+            rollout.Turn(text=game.first_text(obs), image=obs.image, **rollout.turn_state(game))]))
+    bar = tqdm(total=len(tasks), desc=desc, unit="puzzle", disable=not progress, leave=False)
     while active := [i for i, e in enumerate(episodes) if not e.ended]:
         replies = reply_fn([chat_messages(episodes[i], max_images) for i in active])
         for i, reply in zip(active, replies):
-            episode, game = episodes[i], games[i]
+            episode = episodes[i]
             episode.turns[-1].reply = reply
-            obs = game.step(reply)
-            if episode.record_step(game, obs):
+            obs = episode.task.step(reply)
+            if episode.record_step(obs):
                 bar.update(1)
             else:
-                episode.turns.append(rollout.Turn(text=obs.text, image=obs.image, cell=game.agent))
+                episode.turns.append(rollout.Turn(text=obs.text, image=obs.image, **rollout.turn_state(episode.task)))
     bar.close()
     return episodes
 
 
-def eval_rows(episodes: list, maze_indices: list, max_turns: int) -> list[dict]:
+def eval_rows(episodes: list, indices: list) -> list[dict]:
     """One JSON row per greedy evaluation episode; the trainer, `serve.py eval` and the
-    experiments all write these. A maze whose shortest path (plus the stop) does not fit in
-    max_turns cannot be solved at all (on 9x9 mazes at 15 turns, about 28% of them)."""
-    return [{"maze_index": i, "seed": e.maze.seed, "solved": e.solved, "turns": e.num_turns,
-             "fits_turn_limit": len(env.solve(e.maze)) <= max_turns, "end_reason": e.end_reason,
-             "invalid_actions": e.invalid_actions, "wall_bumps": e.wall_bumps, "replies": e.replies} for i, e in zip(maze_indices, episodes)]
+    experiments all write these. A puzzle whose shortest solution does not fit in the turn limit
+    cannot be solved at all (env.fits_turn_limit: at 15 turns, about 28% of VisGym's easy puzzles)."""
+    return [{"index": i, "seed": e.task.seed, "solved": e.solved, "turns": e.num_turns,
+             "fits_turn_limit": env.fits_turn_limit(e.task), "end_reason": e.end_reason,
+             "invalid_actions": e.invalid_actions, "no_effect_actions": e.no_effect_actions, "replies": e.replies}
+            for i, e in zip(indices, episodes)]
 
 
 def eval_result(rows: list[dict], max_turns: int, **fields) -> dict:
-    """An evaluation's JSON: the rows in maze order, solved of all mazes and of those that fit."""
-    rows = sorted(rows, key=lambda r: r["maze_index"])
-    solved, fitting = sum(r["solved"] for r in rows), sum(r["fits_turn_limit"] for r in rows)
+    """An evaluation's JSON: the rows in order, solved of all and of those that fit the turn limit
+    (a task without a solver: all count as fitting)."""
+    rows = sorted(rows, key=lambda r: r["index"])
+    solved, fitting = sum(r["solved"] for r in rows), sum(r["fits_turn_limit"] is not False for r in rows)
     return {**fields, "max_turns": max_turns, "solved": solved, "total": len(rows),
             "solve_rate": solved / max(len(rows), 1), "fitting": fitting,
-            "solve_rate_of_fitting": solved / max(fitting, 1), "mazes": rows}
+            "solve_rate_of_fitting": solved / max(fitting, 1), "puzzles": rows}
 
 
 
-def evaluate_run(cfg, engine, chat, lora_request, step: int, out: Path, run: dict | None = None,
-             last_iterate=None) -> dict:
-    """Greedy play of the fixed evaluation mazes, split over ranks, through the chat API exactly as
+def evaluate_run(cfg, engine, chat, lora_request, step: int, out: Path, task_class, run: dict | None = None,
+                 last_iterate=None) -> dict:
+    """Greedy play of the fixed held-out puzzles, split over ranks, through the chat API exactly as
     `serve.py eval` plays them over HTTP (play_chat_episodes); rank 0 writes the JSON.
-    Beside them, greedy play of the first eval_mazes training mazes (`training_mazes`): a policy
-    that memorises rises there only. With sampled_eval_samples, also the mean solve rate of that
-    many sampled episodes per held-out maze. The file names the run, adapter and base it played.
-    With `last_iterate` (the current policy, when `lora_request` is the tail average), its greedy
-    play of the held-out mazes too: the average against the policy it would otherwise publish."""
+    Beside them, greedy play of the first eval_puzzles training puzzles (`training_puzzles`): a
+    policy that memorises rises there only. With sampled_eval_samples, also the mean solve rate of
+    that many sampled episodes per held-out puzzle. The file names the run, adapter and base it
+    played. With `last_iterate` (the current policy, when `lora_request` is the tail average), its
+    greedy play of the held-out puzzles too: the average against the policy it would otherwise publish."""
 
-    def greedy(mazes: list, desc: str, request=lora_request) -> dict:
+    def greedy(tasks: list, desc: str, request=lora_request) -> dict:
         replies = engine_replies(engine, request, cfg.max_new_tokens, chat.banned_token_ids)
-        mine = list(range(dist.get_rank(), len(mazes), dist.get_world_size()))
-        episodes = play_chat_episodes(
-            [mazes[i] for i in mine], replies, visgym.EnvSettings.of(cfg), max_images=cfg.max_images or None,
-            desc=desc, progress=cfg.progress and dist.get_rank() == 0)
-        rows = [row for part in distributed.all_gather_objects(eval_rows(episodes, mine, cfg.max_turns))
-                for row in part]
+        mine = list(range(dist.get_rank(), len(tasks), dist.get_world_size()))
+        episodes = play_chat_episodes([tasks[i] for i in mine], replies, max_images=cfg.max_images or None,
+                                      desc=desc, progress=cfg.progress and dist.get_rank() == 0)
+        rows = [row for part in distributed.all_gather_objects(eval_rows(episodes, mine)) for row in part]
         return eval_result(rows, cfg.max_turns)
 
-    mazes = env.eval_mazes(cfg.difficulty, cfg.eval_mazes, cfg.env_style)
-    result = {"step": step, "difficulty": cfg.difficulty, "env_style": cfg.env_style, **greedy(mazes, f"eval@{step}")}
-    first_training = env.first_training_mazes(cfg.difficulty, min(cfg.train_pool or cfg.eval_mazes, cfg.eval_mazes),
-                                    cfg.eval_mazes, cfg.env_style, cfg.seed)  # a pool's mazes, or the stream's first
-    result["training_mazes"] = greedy(first_training, f"training mazes@{step}")
+    held_out = env.held_out(task_class, cfg.difficulty, cfg.eval_puzzles, cfg.max_turns)
+    result = {"step": step, "task": cfg.task, "difficulty": cfg.difficulty, **greedy(held_out, f"eval@{step}")}
+    first_training = env.TrainingStream(task_class, cfg.difficulty, cfg.max_turns, eval_n=cfg.eval_puzzles,
+                                        seed=cfg.seed).first(min(cfg.train_pool or cfg.eval_puzzles, cfg.eval_puzzles))
+    result["training_puzzles"] = greedy(first_training, f"training puzzles@{step}")  # a pool's, or the stream's first
     if last_iterate is not None:
         result["last_iterate"] = {"adapter": last_iterate.lora_path,
-                                  **greedy(mazes, f"last iterate@{step}", last_iterate)}
+                                  **greedy(held_out, f"last iterate@{step}", last_iterate)}
     if cfg.sampled_eval_samples and (step == 0 or step == cfg.steps):
-        mine = list(range(dist.get_rank(), len(mazes), dist.get_world_size()))
+        mine = list(range(dist.get_rank(), len(held_out), dist.get_world_size()))
         sampled = rollout.play_episodes(
-            engine, chat, [mazes[i] for i in mine], mine, visgym.EnvSettings.of(cfg),
+            engine, chat, [held_out[i] for i in mine], mine,
             rollout.Sampling.of(cfg, temperature=cfg.sampled_eval_temperature, seed=cfg.seed + 1),
-            samples_per_maze=cfg.sampled_eval_samples, lora_request=lora_request, desc=f"sampled eval@{step}",
+            samples_per_task=cfg.sampled_eval_samples, lora_request=lora_request, desc=f"sampled eval@{step}",
             progress=False)
         solved, total = distributed.sum_over_ranks([sum(e.solved for e in sampled), len(sampled)])
         result["sampled_solve_rate"] = solved / total
         result["sampled_temperature"] = cfg.sampled_eval_temperature
     if dist.get_rank() == 0:
         rundir.eval_file(out, result, run or {"run_id": None, "base": None}, lora_request)
-    train_mazes = result["training_mazes"]
+    training = result["training_puzzles"]
     log0(f"eval step {step}: solved {result['solved']}/{result['total']} held-out"
          + (f" (the tail average; the current policy {result['last_iterate']['solved']})" if last_iterate else "")
-         + f", {train_mazes['solved']}/{train_mazes['total']} of the first training mazes")
+         + f", {training['solved']}/{training['total']} of the first training puzzles")
     return result
 
 
 def evaluate_published(cfg, engine, chat, lora_request, tail: average.TailAverage, model, step: int, out: Path,
-                       shared: Path, run: dict, base: dict) -> dict:
+                       shared: Path, run: dict, base: dict, task_class) -> dict:
     """Evaluate the policy the run publishes after `step`: the current one (`lora_request`), or
     once the tail average has begun, the average, written beside the syncs and loaded next to the
     current policy (which the next rollouts use), with the current one's held-out play beside it."""
     if not tail.active(step):
-        return evaluate_run(cfg, engine, chat, lora_request, step, out, run)
+        return evaluate_run(cfg, engine, chat, lora_request, step, out, task_class, run)
     path = shared / "average" / f"step_{step}"
     policy.write_shared_adapter(model, tail.state, path, cfg.keep_syncs, base, what="the tail average's write")
     request = vllm_engine.add_adapter(engine, path, f"average-step-{step}", vllm_engine.AVERAGE_ID_OFFSET + step)
     try:
-        return evaluate_run(cfg, engine, chat, request, step, out, run, last_iterate=lora_request)
+        return evaluate_run(cfg, engine, chat, request, step, out, task_class, run, last_iterate=lora_request)
     finally:
         engine.llm_engine.remove_lora(request.lora_int_id)
 
 
 class PolicyProbe:
     """How far one update moved the policy, on fixed held-out states: the first turns of the
-    first `n` evaluation mazes, each with the reply begun up to `<answer>` (ChatFormat.reply_tokens),
-    so that the next token is the move (the tiny model's replies start with `<answer>` every time:
-    the reply's own first token says nothing). After each sync the engine gives its distribution
-    over that token (the top `top` tokens); `measure` returns, against the previous sync's, the
-    mean KL(before || after) over the states and the share of them whose most likely move changed
-    (the greedy move flipped). Both distributions are taken over the union of the two top-`top`
-    sets, a token outside one's top set at that set's smallest probability (an upper bound),
-    renormalised: exact when the top sets hold nearly all the mass, as a move does. Cheap: n
-    prompts, one token each. (A real model's move may take several tokens; its first is probed.)"""
+    first `n` held-out puzzles, each with the reply begun up to where the task's actions part
+    (ChatFormat.action_prefix: `<answer>`), so that the next token is the action (the tiny model's
+    replies start with `<answer>` every time: the reply's own first token says nothing). After each
+    sync the engine gives its distribution over that token (the top `top` tokens); `measure`
+    returns, against the previous sync's, the mean KL(before || after) over the states and the
+    share of them whose most likely action changed (the greedy action flipped). Both distributions
+    are taken over the union of the two top-`top` sets, a token outside one's top set at that set's
+    smallest probability (an upper bound), renormalised: exact when the top sets hold nearly all
+    the mass, as an action does. Cheap: n prompts, one token each. (A real model's action may take
+    several tokens; its first is probed.)"""
 
-    def __init__(self, chat: rollout.ChatFormat, mazes: list, env_settings: visgym.EnvSettings, top: int = 20):
-        self.prompts, (_, answer_id) = [], chat.reply_tokens()
-        for maze in mazes:
-            game = env_settings.make(maze)
+    def __init__(self, chat: rollout.ChatFormat, tasks: list, top: int = 20):
+        self.prompts = []
+        for task in tasks:
+            game = task.clone()
             obs = game.reset()
-            turn = chat.open_turn(game.first_text(obs), obs.image, game.agent)
-            self.prompts.append({"prompt_token_ids": turn.prompt_ids + [answer_id],
+            turn = chat.open_turn(game.first_text(obs), obs.image, game)
+            self.prompts.append({"prompt_token_ids": turn.prompt_ids + chat.action_prefix(game),
                                  "multi_modal_data": {"image": [obs.image]}})
         self.top, self.banned, self.previous = top, chat.banned_token_ids, None
 

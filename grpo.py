@@ -4,7 +4,7 @@
     loss, metrics = policy_loss(logprobs, old_logprobs, advantages, response_mask, ...)
 
 Everything here is plain tensor math with no model or engine in sight (an episode is read only
-for its rewards, the cells it visited and its sequences' masks), so it can be read top to bottom
+for its rewards, the states it visited and its sequences' masks), so it can be read top to bottom
 and unit-tested on CPU. Shapes: B sequences, T token positions.
 
 References
@@ -83,8 +83,8 @@ def discounted_returns(turn_rewards: list[float], gamma: float) -> list[float]:
     """Return of each turn of an episode: G_t = sum_{k >= t} gamma^(k-t) * r_k.
 
     With the strict reward alone (r_k = 0 except the last turn's R) this is G_t = gamma^(T-1-t) * R:
-    the same success is worth less the more turns it still takes, so a wasted turn (a bump into a
-    wall) lowers every return before it."""
+    the same success is worth less the more turns it still takes, so a wasted turn (an action that
+    changes nothing) lowers every return before it."""
     returns, running = [0.0] * len(turn_rewards), 0.0
     for t in reversed(range(len(turn_rewards))):
         running = turn_rewards[t] + gamma * running
@@ -95,8 +95,8 @@ def discounted_returns(turn_rewards: list[float], gamma: float) -> list[float]:
 def step_advantages(returns: Tensor, anchor_ids: Tensor, scale_by_std: bool = True, eps: float = 1e-6) -> Tensor:
     """GiGPO's step-level advantages (Feng et al. 2025, Sec. 3.2), one per turn.
 
-    The episodes of a group play the same maze, so they keep meeting the *same* states (the
-    agent on the same cell). Turns taken from the same state form an anchor group, and each
+    The episodes of a group play the same puzzle, so they keep meeting the *same* states (the same
+    Task.state_key). Turns taken from the same state form an anchor group, and each
     turn's discounted return is normalised within it, exactly like rewards within a GRPO group:
         A^S_t = (G_t - mean_{anchor}(G)) / (std_{anchor}(G) + eps)
     This compares actions taken in the very same situation, which the episode-level advantage
@@ -164,21 +164,21 @@ def episode_experiences(episodes: list, *, gamma: float, step_adv_weight: float,
                         scale_by_std: bool = True) -> tuple[list[Experience], dict]:
     """This rank's finished episodes -> one Experience per training sequence, and the step's stats.
 
-    1. The episode advantage A^E_i: the strict reward R_i (1 for stopping on the goal, else 0)
+    1. The episode advantage A^E_i: the strict reward R_i (1 for success, else 0)
        normalised within its group (a group's episodes are all on this rank).
     2. The step-level advantage A^S_t (GiGPO): each turn's discounted return
        G_t = gamma^(T-1-t) * R_i normalised within its anchor group, the turns taken from the same
-       cell of the same maze. A group's episodes are all played on one rank, so anchor groups
+       state (state key) of the same puzzle. A group's episodes are all played on one rank, so anchor groups
        never span ranks.
     3. Every token of reply t carries A_t = A^E_i + w * A^S_t (turn_values, spread_over_replies).
     """
     rewards = torch.tensor([float(e.reward) for e in episodes])
     episode_adv, stats = group_advantages(rewards, torch.tensor([e.group_id for e in episodes]),
                                           scale_by_std=scale_by_std)
-    returns, anchors = [], []
+    returns, anchors, anchor_ids = [], [], {}  # (group, state key) -> its anchor group's id
     for e in episodes:
         returns += discounted_returns([0.0] * (e.num_turns - 1) + [e.reward], gamma)
-        anchors += [(e.group_id * e.maze.size + r) * e.maze.size + c for r, c in (t.cell for t in e.played)]
+        anchors += [anchor_ids.setdefault((e.group_id, t.key), len(anchor_ids)) for t in e.played]
     step_adv = torch.zeros(len(returns), dtype=torch.float64)
     if step_adv_weight > 0 and returns:
         step_adv = step_advantages(torch.tensor(returns, dtype=torch.float64), torch.tensor(anchors),
@@ -423,8 +423,8 @@ def logprob_mismatch(trainer_logprobs: Tensor, rollout_logprobs: Tensor, respons
 # ----------------------------------------------------------------------------- branch rollouts
 
 def branch_return(turns_played: int, reward: float, gamma: float) -> float:
-    """A branch's return from its fork: G = gamma^(k - 1) * R for a branch that played k turns
-    from the fork on (the forced move included) and ended with the strict reward R, the same
+    """A branch's return from its point: G = gamma^(k - 1) * R for a branch that played k turns
+    from the point on (the forced action included) and ended with the strict reward R, the same
     discount as the step-level term's G_t (discounted_returns with r = R at the last turn)."""
     return gamma ** (turns_played - 1) * reward
 
@@ -438,13 +438,13 @@ def best_branch(returns: list[float]) -> int | None:
 
 
 def branch_target_advantages(response_mask: list[int], weight: float) -> Tensor:
-    """The advantage row of a fork's target row (branch.py): `weight` on its one trained reply.
+    """The advantage row of a branch point's target row (branch.py): `weight` on its one trained reply.
 
     The estimator is a cross-entropy toward the winning branch, at the sampling temperature T:
         L_branch = -w * log pi_T(a* | s),   a* = argmax_a G_branch(a)
         grad_z L_branch = -w * (e_a* - pi_T(. | s)) / T
     which vanishes once the policy agrees (pi_T(a*) -> 1): it saturates, so it spends the update
-    on the forks the policy gets wrong (an equal weight on every forced move does not).
+    on the states the policy gets wrong (an equal weight on every forced action does not).
 
     How it enters policy_loss, unchanged: the row's trained tokens are the reply of a* (forced,
     rollout log-prob NaN), each with A = w. In the single-pass update pi_old = pi.detach(), so the

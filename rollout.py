@@ -1,8 +1,8 @@
-"""Multi-turn, multimodal rollouts: the policy plays mazes through an in-process vLLM engine.
+"""Multi-turn, multimodal rollouts: the policy plays tasks (env.py) through an in-process vLLM engine.
 
 One call to `play_episodes` plays a batch of episodes to the end. Every turn, ALL still-active
-episodes go to the engine in ONE `generate` call (vLLM batches them); the reply is parsed by the
-env, the env renders the new state, and the new user turn (feedback text + image) is appended.
+episodes go to the engine in ONE `generate` call (vLLM batches them); the task reads the reply
+and renders its new state, and the new user turn (feedback text + image) is appended.
 
 Token-in / token-out. An episode's conversation is kept as token ids from the first turn on and
 only ever appended to: the tokens the engine generated are kept exactly as generated (never
@@ -31,11 +31,11 @@ from dataclasses import dataclass, field, replace
 from tqdm import tqdm
 
 import env
-import visgym
 from vllm_engine import sampling_logit_bias, vision_token_ids
 
+
 class ChatFormat:
-    """Turns maze observations into prompt token ids with the model's own chat template.
+    """Turns a task's observations into prompt token ids with the model's own chat template.
 
     Nothing here knows the tiny model's tokenizer: the template is asked to render a
     conversation, and we take the text that a new user turn adds after an assistant reply.
@@ -52,6 +52,7 @@ class ChatFormat:
         self.banned_token_ids = vision_token_ids(processor)
         self._image_tokens = {}  # image size -> number of tokens the image expands to
         self._next_turn = {}  # (observation text, with image, end token of the reply or None) -> ids
+        self._replies = {}  # reply text -> its ids, the end-of-reply token included
 
     @classmethod
     def for_model(cls, model_path: str, processor=None) -> "ChatFormat":
@@ -72,15 +73,26 @@ class ChatFormat:
     def _ids(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
-    def reply_tokens(self) -> tuple[dict, int]:
-        """The reply that plays each action, as the model should learn it (the answer, then the
-        end-of-turn token): what demonstrations and branch rollouts force; and the id of
-        `<answer>` (the action token is the one right after it)."""
-        reply_ids = {a: self._ids(f"<answer>{a}</answer>") + [self.end_of_reply_id] for a in env.ACTION_STRINGS}
-        return reply_ids, self._ids("<answer>")[0]
+    def reply_ids(self, task, action) -> list[int]:
+        """The reply that plays `action` as the model should learn it (the task's reply text, then
+        the end-of-turn token): what demonstrations and branch rollouts force."""
+        text = task.reply(action)
+        if text not in self._replies:
+            self._replies[text] = self._ids(text) + [self.end_of_reply_id]
+        return list(self._replies[text])
+
+    def action_prefix(self, task) -> list[int]:
+        """The tokens every action's reply begins with (the longest common prefix of the task's
+        replies, e.g. `<answer>`): the token after them is where the actions part, the one the
+        policy probe and SFT's action accuracy read."""
+        replies = [self.reply_ids(task, a) for a in task.actions]
+        common = 0
+        while all(len(r) > common and r[common] == replies[0][common] for r in replies):
+            common += 1
+        return replies[0][:common]
 
     def first_turn(self, text: str, with_image: bool = True) -> list[int]:
-        """The first user turn: the task's instructions and the first observation (env.MazeEnv's
+        """The first user turn: the task's instructions and the first observation (env.Task's
         first_text), with the image unless told otherwise."""
         message = self.user_turn(text, with_image)
         return self._ids(self.processor.apply_chat_template([message], add_generation_prompt=True,
@@ -103,17 +115,17 @@ class ChatFormat:
             self._next_turn[key] = self._ids(after_reply)
         return list(self._next_turn[key])
 
-    def open_turn(self, text: str, image, cell, after_reply: list[int] | None = None,
+    def open_turn(self, text: str, image, task, after_reply: list[int] | None = None,
                   text_only: bool = False) -> "Turn":
-        """The turn that shows `text` and `image` (the agent at `cell`): the first one, or the one
-        after the reply `after_reply`. With `text_only` it is also rendered without its image (what
-        is sent once the turn is older than max_images)."""
+        """The turn that shows `text` and `image` (the state `task` is in): the first one, or the
+        one after the reply `after_reply`. With `text_only` it is also rendered without its image
+        (what is sent once the turn is older than max_images)."""
         if after_reply is None:
             ids, text_ids = self.first_turn(text), self.first_turn(text, with_image=False) if text_only else []
         else:
             ids = self.next_turn(text, after_reply)
             text_ids = self.next_turn(text, after_reply, with_image=False) if text_only else []
-        return Turn(text=text, image=image, cell=cell, prompt_ids=ids, prompt_ids_text_only=text_ids)
+        return Turn(text=text, image=image, **turn_state(task), prompt_ids=ids, prompt_ids_text_only=text_ids)
 
     def expand(self, ids: list[int], images: list) -> list[int]:
         """What vLLM and the HF processor do to a prompt: one <|image_pad|> -> one per patch."""
@@ -154,9 +166,10 @@ class Turn:
     opened when the env shows a state, and answered when the reply comes; a chat evaluation's
     turns are text and images only, its server tokenises them); an episode's last turn
     stays unanswered if the episode ended without asking for it (context limit)."""
-    text: str  # what the env said: the first turn's task and view, then its feedback on each move
+    text: str  # what the task said: the first turn's instructions and view, then its feedback on each action
     image: object  # the state the agent was shown
-    cell: tuple  # the agent's cell then
+    key: object  # that state's key (Task.state_key): turns facing the same situation share it
+    snapshot: object = None  # that state (Task.snapshot; None if the task has none): branch.py restores it
     prompt_ids: list = None  # the user turn's token ids, unexpanded (None in chat evaluations: the server tokenises)
     prompt_ids_text_only: list = None  # the same turn without its image (rendered only when max_images is set)
     reply_ids: list = None  # the reply's token ids, exactly as generated or forced; None until answered
@@ -172,18 +185,17 @@ class Turn:
 
 @dataclass
 class Episode:
-    """One play of one maze: its turns (the whole conversation, once), how it ended, and the
+    """One play of one puzzle: its turns (the whole conversation, once), how it ended, and the
     training sequences built from the turns when it ended (training_sequences)."""
-    maze: env.Maze
-    group_id: int  # members of a GRPO group play the same maze and share this id
+    task: env.Task  # the task it played, in the state the episode left it in
+    group_id: int  # members of a GRPO group play the same puzzle and share this id
     sample_id: int  # globally unique, seeds this episode's sampling
     turns: list = field(default_factory=list)  # Turn records, in order
-    end_cell: tuple = None  # the agent's cell after the last reply
     sequences: list = field(default_factory=list)  # what the trainer trains on: set once the episode ends
     reward: float = 0.0
     solved: bool = False
     invalid_actions: int = 0
-    wall_bumps: int = 0  # moves into a wall (the agent stays put, the turn is spent)
+    no_effect_actions: int = 0  # valid actions that changed nothing (a blocked move: the turn is spent)
     truncated_replies: int = 0  # replies cut by the per-turn token limit
     end_reason: str = ""  # stop | turn_limit | context_limit
     ended: bool = False
@@ -208,30 +220,26 @@ class Episode:
 
     def prefix(self, turn: int, sample_id: int) -> "Episode":
         """This episode as it stood when its reply `turn` was asked for: turns 0..turn-1 as played,
-        turn `turn` unanswered, under a new sample id. The played turns are shared with this
-        episode (nothing changes an answered turn); turn `turn` is a new record. Its counters
-        (invalid actions, bumps, truncations) count only what is played from here on."""
+        turn `turn` unanswered, under a new sample id, on its own copy of the task restored to that
+        turn's state. The played turns are shared with this episode (nothing changes an answered
+        turn); turn `turn` is a new record. Its counters (invalid actions, no-effect actions,
+        truncations) count only what is played from here on."""
         if not 0 <= turn < self.num_turns:
             raise ValueError(f"turn {turn}: the episode played turns 0..{self.num_turns - 1}")
         asked = replace(self.turns[turn], reply_ids=None, reply_logprobs=None, reply=None)
-        return Episode(maze=self.maze, group_id=self.group_id, sample_id=sample_id, turns=[*self.turns[:turn], asked])
+        task = self.task.clone()
+        task.restore(asked.snapshot)
+        return Episode(task=task, group_id=self.group_id, sample_id=sample_id, turns=[*self.turns[:turn], asked])
 
-    def record_step(self, game, obs) -> bool:
-        """Record what the env did with the last reply (both turn loops); True if that ended the
-        episode (its reward, solved and end reason are then the env's)."""
-        self.end_cell = game.agent
+    def record_step(self, obs) -> bool:
+        """Record what the task did with the last reply (both turn loops); True if that ended the
+        episode (its reward, solved and end reason are then the task's)."""
         self.invalid_actions += not obs.valid
-        self.wall_bumps += obs.bumped
-        if game.done:
-            self.ended, self.reward, self.solved, self.end_reason = True, obs.reward, game.solved, game.end_reason
-        return game.done
-
-    def cells_vacated(self, turn: int) -> set:
-        """The cells the agent had moved off before reply `turn` (env.MazeEnv.vacated then)."""
-        cells = [t.cell for t in self.turns[:turn + 1]]
-        if turn >= len(self.turns):
-            cells.append(self.end_cell)
-        return {a for a, b in zip(cells, cells[1:]) if a != b}
+        self.no_effect_actions += obs.no_effect
+        if self.task.done:
+            self.ended, self.reward, self.solved, self.end_reason = (True, obs.reward, self.task.solved,
+                                                                     self.task.end_reason)
+        return self.task.done
 
     def next_prompt(self, max_images: int | None) -> tuple[list, list]:
         """The engine input for the reply the last turn waits for (images only in the last k turns)."""
@@ -294,8 +302,7 @@ def request_seed(run_seed: int, sample_id: int, turn: int) -> int:
 
 @dataclass(frozen=True)
 class Sampling:
-    """How the engine is asked for every reply of a batch of episodes, as one record beside
-    visgym.EnvSettings (how the episodes are played). Each reply's seed is request_seed(seed, its
+    """How the engine is asked for every reply of a batch of episodes, as one record. Each reply's seed is request_seed(seed, its
     episode's sample id, its turn). With `max_images=k` only the last k user turns keep their
     image (training_sequences then makes one sequence per turn). `min_new_tokens` forbids ending
     a reply earlier (benchmarks set it to `max_new_tokens`: every reply the same length)."""
@@ -313,31 +320,35 @@ class Sampling:
                            max_model_len=cfg.max_model_len, max_images=cfg.max_images or None), **changes)
 
 
-def play_episodes(engine, chat: ChatFormat, mazes: list, group_ids: list, env_settings: visgym.EnvSettings,
-                  sampling: Sampling, *, samples_per_maze: int, lora_request=None, desc: str = "rollout",
-                  progress: bool = True) -> list:
-    """Play every maze `samples_per_maze` times to the end, in envs made by `env_settings`; return the
+def play_episodes(engine, chat: ChatFormat, tasks: list, group_ids: list, sampling: Sampling, *,
+                  samples_per_task: int, lora_request=None, desc: str = "rollout", progress: bool = True) -> list:
+    """Play every task `samples_per_task` times to the end, each on its own copy; return the
     finished episodes. `group_ids` must be unique across the whole run (and across ranks): with the
     member index they give each episode the id that seeds its sampling."""
-    episodes, games = [], []
-    for maze, group_id in zip(mazes, group_ids):
-        for member in range(samples_per_maze):
-            game = env_settings.make(maze)
+    episodes = []
+    for task, group_id in zip(tasks, group_ids):
+        for member in range(samples_per_task):
+            game = task.clone()
             obs = game.reset()
-            first = chat.open_turn(game.first_text(obs), obs.image, game.agent, text_only=bool(sampling.max_images))
-            episodes.append(Episode(maze=maze, group_id=group_id, sample_id=group_id * samples_per_maze + member,
+            first = chat.open_turn(game.first_text(obs), obs.image, game, text_only=bool(sampling.max_images))
+            episodes.append(Episode(task=game, group_id=group_id, sample_id=group_id * samples_per_task + member,
                                     turns=[first]))
-            games.append(game)
-    return play_turns(engine, chat, episodes, games, [[] for _ in episodes], sampling, lora_request=lora_request,
+    return play_turns(engine, chat, episodes, [[] for _ in episodes], sampling, lora_request=lora_request,
                       desc=desc, progress=progress)
 
 
-def play_turns(engine, chat: ChatFormat, episodes: list, games: list, forced: list, sampling: Sampling, *,
+def turn_state(task) -> dict:
+    """What a Turn records of the state its task is in: the state key, and a snapshot if the task
+    takes them (env.features)."""
+    return {"key": task.state_key(), "snapshot": task.snapshot() if env.features(type(task))["snapshots"] else None}
+
+
+def play_turns(engine, chat: ChatFormat, episodes: list, forced: list, sampling: Sampling, *,
                lora_request=None, desc: str = "rollout", progress: bool = True) -> list:
-    """The turn loop: play `episodes` on their `games` from wherever they stand to the end.
+    """The turn loop: play `episodes` on their tasks from wherever they stand to the end.
 
     Each episode waits for its next reply (a fresh one from `play_episodes`, or a copy of another
-    up to some turn with its game restored to that turn's state: branch.py). `forced[i]` is a list
+    up to some turn with its task restored to that turn's state: branch.py). `forced[i]` is a list
     of replies (token ids) episode i gives at its next turns, in order, instead of samples (a
     demonstration's replies: the answer, then the end-of-reply token); once they are used up it
     samples. Forced tokens are trained like generated ones (response mask 1), but the engine never
@@ -380,7 +391,7 @@ def play_turns(engine, chat: ChatFormat, episodes: list, games: list, forced: li
                    for i in active}
         texts = dict(zip(active, decode_replies(chat.tokenizer, [replies[i] for i in active])))
         for i in active:
-            episode, game, reply_ids = episodes[i], games[i], replies[i]
+            episode, reply_ids = episodes[i], replies[i]
             reply_logprobs = [NO_LOGPROB] * len(reply_ids)  # a forced reply: the engine sampled none
             if i in outputs:
                 completion = outputs[i].outputs[0]
@@ -392,11 +403,11 @@ def play_turns(engine, chat: ChatFormat, episodes: list, games: list, forced: li
                 episode.truncated_replies += completion.finish_reason == "length"
             turn = episode.turns[-1]
             turn.reply_ids, turn.reply_logprobs, turn.reply = reply_ids, reply_logprobs, texts[i]
-            obs = game.step(texts[i])
-            if episode.record_step(game, obs):
+            obs = episode.task.step(texts[i])
+            if episode.record_step(obs):
                 bar.update(1)
                 continue
-            episode.turns.append(chat.open_turn(obs.text, obs.image, game.agent, reply_ids,
+            episode.turns.append(chat.open_turn(obs.text, obs.image, episode.task, reply_ids,
                                                 text_only=bool(max_images)))
             digests[id(obs.image)] = image_digest(obs.image)
             ids, images = episode.next_prompt(max_images)
@@ -440,8 +451,8 @@ def rollout_metrics(episodes: list) -> dict:
         "generated_tokens": sum(e.num_generated_tokens for e in episodes),
         "sequences_per_episode": sum(len(e.sequences) for e in episodes) / n,
         "invalid_action_rate": sum(e.invalid_actions for e in episodes) / max(turns, 1),
-        "wall_bump_rate": sum(e.wall_bumps for e in episodes) / max(turns, 1),
-        "stopped_off_goal": sum(e.end_reason == "stop" and not e.solved for e in episodes) / n,
+        "no_effect_rate": sum(e.no_effect_actions for e in episodes) / max(turns, 1),
+        "stopped_unsolved": sum(e.end_reason == "stop" and not e.solved for e in episodes) / n,
         "truncated_reply_rate": sum(e.truncated_replies for e in episodes) / max(turns, 1),
         "sequence_tokens_mean": sum(len(s.token_ids) for e in episodes for s in e.sequences)
         / max(sum(len(e.sequences) for e in episodes), 1),

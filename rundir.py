@@ -66,13 +66,13 @@ def metrics_step(line: str) -> int | None:
         return None
 
 
-def write_summary(steps: int, out: Path, wall_s: float, hours: float, on_gpu: bool, log=print):
+def write_summary(steps: int, out: Path, elapsed_s: float, hours: float, on_gpu: bool, log=print):
     """summary.json: held-out solved at every evaluation of this run; steps_s covers every process that
-    worked on this run (a resumed run's earlier ones too), wall_s this process's own time."""
+    worked on this run (a resumed run's earlier ones too), elapsed_s this process's own time."""
     lines = (out / "metrics.jsonl").read_text().splitlines()
     evals = run_evals(out)
     summary = {"steps": steps, "steps_s": round(sum(json.loads(line)["step_s"] for line in lines), 1),
-               "wall_s": round(wall_s, 1), ("gpu_hours" if on_gpu else "process_hours"): round(hours, 4),
+               "elapsed_s": round(elapsed_s, 1), ("gpu_hours" if on_gpu else "process_hours"): round(hours, 4),
                "eval": {r["step"]: f"{r['solved']}/{r['total']}" for r in evals}}
     storage.atomic_write_text(out / "summary.json", json.dumps(summary, indent=2))
     log("run summary: " + json.dumps(summary))
@@ -123,9 +123,9 @@ class RunLog:
             self.tensorboard.add_scalar(k, v, step)
         self.tensorboard.flush()
 
-    def finish(self, steps: int, wall_s: float, hours: float, on_gpu: bool, log=print):
+    def finish(self, steps: int, elapsed_s: float, hours: float, on_gpu: bool, log=print):
         self.tensorboard.close()
-        write_summary(steps, self.out, wall_s, hours, on_gpu, log)
+        write_summary(steps, self.out, elapsed_s, hours, on_gpu, log)
 
 
 # ----------------------------------------------------------------------------- the run directory

@@ -19,7 +19,8 @@ whose adapter_config.json is broken is named at start-up and left out; the rest 
 Adapters are only ever read from inside the root, and the routes that would load one from any
 other path are switched off.
 
-The eval client plays `env.eval_mazes` exactly like the trainer's greedy eval (`evaluation.evaluate_run`):
+The eval client plays a task's held-out puzzles (`env.held_out`) exactly like the trainer's greedy eval
+(`evaluation.evaluate_run`):
 the same conversations, sampling, parsing and turn limit; only the replies come over HTTP. It
 writes the same JSON rows, so a served adapter can be checked against the eval its run logged.
 Any serve flag not listed in `--help` is passed to vLLM unchanged (e.g. --gpu-memory-utilization).
@@ -42,8 +43,8 @@ import env
 import policy
 import evaluation
 import rollout
+import tasks
 import vllm_engine
-import visgym
 
 ROOT = Path(__file__).resolve().parent
 
@@ -510,33 +511,33 @@ def vision_token_ids(url: str, api_key: str = "", processor: str = "") -> list[i
     return rollout.ChatFormat(AutoProcessor.from_pretrained(processor), []).banned_token_ids
 
 
-def evaluate(url: str, model: str, *, difficulty: str = "small", n: int = 64, max_turns: int = 15,
-             max_new_tokens: int = 32, max_images: int | None = None, cell_px: int = 0, style: str = "ours",
-             api_key: str = "", processor: str = "", concurrency: int = 64, progress: bool = True) -> dict:
-    """Greedy play of the eval mazes through the server: `evaluation.evaluate_run`'s held-out part (its
-    `mazes`, `solved`, `total`, ...), without `step`, the training mazes or the sampled rate."""
-    mazes = env.eval_mazes(difficulty, n, style)
+def evaluate(url: str, model: str, *, task: str = "maze", difficulty: str = "small", n: int = 64,
+             max_turns: int = 15, max_new_tokens: int = 32, max_images: int | None = None, api_key: str = "",
+             processor: str = "", concurrency: int = 64, progress: bool = True) -> dict:
+    """Greedy play of a task's held-out puzzles through the server: `evaluation.evaluate_run`'s
+    held-out part (its `puzzles`, `solved`, `total`, ...), without `step`, the training puzzles or
+    the sampled rate."""
+    held_out = env.held_out(tasks.task_class(task), difficulty, n, max_turns)
     banned = vision_token_ids(url, api_key, processor)
     episodes = evaluation.play_chat_episodes(
-        mazes, http_replies(url, model, max_new_tokens, api_key, banned, concurrency),
-        visgym.EnvSettings(style=style, max_turns=max_turns, cell_px=cell_px), max_images=max_images,
+        held_out, http_replies(url, model, max_new_tokens, api_key, banned, concurrency), max_images=max_images,
         desc=f"eval {model}", progress=progress)
-    return evaluation.eval_result(evaluation.eval_rows(episodes, list(range(len(episodes))), max_turns), max_turns,
-                               model=model, difficulty=difficulty, env_style=style)
+    return evaluation.eval_result(evaluation.eval_rows(episodes, list(range(len(episodes)))), max_turns,
+                                  model=model, task=task, difficulty=difficulty)
 
 
 def eval_main(argv: list[str]):
-    parser = argparse.ArgumentParser(prog="serve.py eval", description="Play the eval mazes through a running server.")
+    parser = argparse.ArgumentParser(prog="serve.py eval",
+                                     description="Play a task's held-out puzzles through a running server.")
     parser.add_argument("--url", default="http://127.0.0.1:8000")
     parser.add_argument("--model", required=True, help="<base> or <base>:<adapter>")
-    parser.add_argument("--difficulty", default="small", choices=list(env.DIFFICULTY_SIZES))
+    parser.add_argument("--task", default="maze", help="the task played (train.py's --task)")
+    parser.add_argument("--difficulty", default="small", help="the task's level")
     parser.add_argument("--n", type=int, default=64)
     parser.add_argument("--max-turns", type=int, default=15)
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--max-images", type=int, default=0,
                         help="keep only the last k images in the conversation, like train.py; 0: all")
-    parser.add_argument("--cell-px", type=int, default=0, help="0: the style's own (32 ours, 25 visgym)")
-    parser.add_argument("--env-style", default="ours", choices=list(env.MAZE_STYLES))
     parser.add_argument("--api-key", default=os.environ.get("VLLM_API_KEY", ""))
     parser.add_argument("--processor", default="",
                         help="base model dir or id for its token ids; default: the path the server reports")
@@ -546,10 +547,13 @@ def eval_main(argv: list[str]):
     from openai import APIError, AuthenticationError
 
     try:
-        result = evaluate(args.url, args.model, difficulty=args.difficulty, n=args.n, max_turns=args.max_turns,
+        tasks.task_class(args.task)(args.difficulty, 0, args.max_turns)  # an unknown task or level: one line
+    except ValueError as e:
+        raise SystemExit(f"serve.py eval: {e}")
+    try:
+        result = evaluate(args.url, args.model, task=args.task, difficulty=args.difficulty, n=args.n, max_turns=args.max_turns,
                           max_new_tokens=args.max_new_tokens, max_images=args.max_images or None,
-                          cell_px=args.cell_px, style=args.env_style, api_key=args.api_key, processor=args.processor,
-                          concurrency=args.concurrency)
+                          api_key=args.api_key, processor=args.processor, concurrency=args.concurrency)
     except AuthenticationError:
         raise SystemExit(f"{args.url}: 401, the server wants its API key (--api-key or $VLLM_API_KEY)")
     except APIError as e:  # an unknown model, the server gone: say so, without a traceback

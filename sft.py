@@ -1,29 +1,29 @@
-"""Supervised warm start: teach the model the task from shortest-path demonstrations.
+"""Supervised warm start: teach the model the task from its solver's demonstrations.
 
-    python sft.py --out runs/sft [--model <dir>] [--difficulty small] [--steps 250]
+    python sft.py --out runs/sft [--model <dir>] [--task maze] [--difficulty small] [--steps 250]
 
-GRPO only sharpens what a policy already does sometimes: from a random model no maze is ever
+GRPO only sharpens what a policy already does sometimes: from a random model no puzzle is ever
 solved, every group has zero variance and nothing is learned. So, as in the published recipe,
-RL starts from a supervised checkpoint. The demonstrations are the BFS solver's moves, played
-through the same env, rendered and tokenised exactly as `rollout.py` does it (same chat template,
-same images, same last-k-images policy); only the replies are trained on.
+RL starts from a supervised checkpoint. The demonstrations are the task's solver's actions
+(env.Task.solve: a task without one cannot be demonstrated), played through the same task,
+rendered and tokenised exactly as `rollout.py` does it (same chat template, same images, same
+last-k-images policy); only the replies are trained on.
 
 By default a full fine-tuning of the language model (`--lora-rank 0`): the tiny model's language
 model is randomly initialised, so there is little for a low-rank adapter to adapt (`--lora-rank N`
 trains a rank-N LoRA instead and merges it into the weights written). The vision tower stays frozen
-(`--freeze-vision 1`): it arrives able to see (the tiny model's build pretrains it on maze
+(`--freeze-vision 1`): it arrives able to see (the tiny model's build pretrains it on the task's
 pictures, standing in for a real VLM's pretrained encoder), and behaviour cloning, whose signal
 is one action per turn, only blurs what it has learned. For a real pretrained Qwen3-VL, LoRA SFT
 (`--lora-rank 32`) is the usual choice. The output is an ordinary HF model directory that
 `train.py --model` starts from; GRPO then trains a LoRA on top of it.
 
 Demonstrations can be made noisy (DART, Laskey et al. 2017): with probability `--noise` the
-demonstrator leaves the optimal path for a detour of 1 to `--max-detour` wrong moves (never
-straight back, so it goes deeper; a move into a wall is a bump), and those turns are not trained
-on. The model then sees off-path states and learns the way back from them. The main job uses
-clean demonstrations (`--noise 0`, the default): on 7x7 mazes they gave the better warm start in
-each of three seeds (docs/experiments.md, 2026-12-01). Every trained turn is then one of the shortest path, so
-the fork decisions that decide a maze get all of the signal.
+demonstrator leaves the solver's way for a detour of 1 to `--max-detour` other legal actions, and
+those turns are not trained on. The model then sees states off the way and learns the way back
+from them. The main job uses clean demonstrations (`--noise 0`, the default): on 7x7 mazes they
+gave the better warm start in each of three seeds (docs/experiments.md, 2026-12-01). Every trained
+turn is then one of a shortest solution, so the decisions that matter get all of the signal.
 """
 
 import argparse
@@ -45,61 +45,61 @@ import policy
 import rollout
 import rundir
 import storage
-import visgym
+import tasks
 from config import Config
 
 ROOT = Path(__file__).resolve().parent
 
 
-def demonstration(maze, chat: rollout.ChatFormat, reply_ids: dict, rng: random.Random,
-                  env_settings: visgym.EnvSettings, *, max_images: int | None, noise: float,
+def demonstration(task, chat: rollout.ChatFormat, rng: random.Random, *, max_images: int | None, noise: float,
                   max_detour: int = 1) -> list:
-    """Play one maze with the BFS policy (plus noise); return its training sequences."""
-    game = env_settings.make(maze)
+    """Play one puzzle (a copy of `task`) with its solver's actions (plus noise); return its
+    training sequences."""
+    game = task.clone()
     obs = game.reset()
-    episode = rollout.Episode(maze=maze, group_id=0, sample_id=0, turns=[
-        chat.open_turn(game.first_text(obs), obs.image, game.agent, text_only=bool(max_images))])
+    episode = rollout.Episode(task=game, group_id=0, sample_id=0, turns=[
+        chat.open_turn(game.first_text(obs), obs.image, game, text_only=bool(max_images))])
     trained = []  # per turn: is this reply a demonstration (True) or noise (False)?
-    detour, last_move = 0, None  # wrong moves still to play; the previous move (0-3, 4 = stop)
+    detour = 0  # actions off the solver's way still to play
     while not game.done:
-        best = env.solve(maze, start=game.agent)[0]
-        if not detour and best != env.STOP_ACTION and rng.random() < noise:
-            detour = rng.randint(1, max_detour)  # this many wrong moves in a row, starting now
-        noisy = bool(detour) and best != env.STOP_ACTION
+        solution = game.solve()
+        best = solution[0]
+        # never a detour in place of the last action, which completes the puzzle
+        if not detour and len(solution) > 1 and rng.random() < noise:
+            detour = rng.randint(1, max_detour)  # this many other actions in a row, starting now
+        others = [a for a in game.legal_actions() if a != best]
+        noisy = bool(detour) and len(solution) > 1 and bool(others)
         if noisy:
-            straight_back = env.ACTION_STRINGS[(last_move + 2) % 4] if last_move is not None else None
-            action = rng.choice([a for a in env.ACTION_STRINGS[:4] if a not in (best, straight_back)])
+            action = rng.choice(others)
             detour -= 1
         else:
             action, detour = best, 0
-        last_move = env.ACTION_STRINGS.index(action)
         turn = episode.turns[-1]
-        turn.reply_ids, turn.reply = reply_ids[action], chat.tokenizer.decode(reply_ids[action], skip_special_tokens=True)
+        turn.reply_ids = chat.reply_ids(game, action)
+        turn.reply = chat.tokenizer.decode(turn.reply_ids, skip_special_tokens=True)
         turn.reply_logprobs = [rollout.NO_LOGPROB] * len(turn.reply_ids)  # demonstrated, never sampled
         trained.append(not noisy)
         obs = game.step(turn.reply)
         if not game.done:
-            episode.turns.append(chat.open_turn(obs.text, obs.image, game.agent, turn.reply_ids,
+            episode.turns.append(chat.open_turn(obs.text, obs.image, game, turn.reply_ids,
                                                 text_only=bool(max_images)))
     return rollout.training_sequences(episode, chat, max_images, trained=[t for t, keep in enumerate(trained) if keep])
 
 
 def demonstrations(chat: rollout.ChatFormat, n: int, *, max_turns: int, noise: float = 0.5,
-                   difficulty: str = "small") -> list:
-    """Full-history demonstrations of the first n training mazes of a size (BFS moves with detours,
-    maze i played with rng seed i): the small fixed batch that checks and tests train on."""
-    reply_ids, _ = chat.reply_tokens()
-    stream = env.TrainMazeStream(difficulty)
-    settings = visgym.EnvSettings(max_turns=max_turns, cell_px=env.CELL_PX_TINY)
-    return [demonstration(stream.next(), chat, reply_ids, random.Random(i), settings, max_images=None,
-                          noise=noise)[0] for i in range(n)]
+                   difficulty: str = "small", task_class=None) -> list:
+    """Full-history demonstrations of the first n training puzzles of a level (the solver's
+    actions with detours, puzzle i played with rng seed i): the small fixed batch that checks and
+    tests train on. The task: the maze unless given."""
+    stream = env.TrainingStream(task_class or tasks.task_class("maze"), difficulty, max_turns)
+    return [demonstration(stream.next(), chat, random.Random(i), max_images=None, noise=noise)[0] for i in range(n)]
 
 
-def training_mazes(difficulties: list[str], pool: int = 0, style: str = "ours"):
-    """Each size's training stream (never an evaluation layout of that size), and an endless
-    iterator that takes one maze from each stream in turn. `pool` > 0: each stream replays its
-    first `pool` mazes (env.TrainMazeStream)."""
-    streams = [env.TrainMazeStream(d, pool=pool, style=style) for d in difficulties]
+def training_tasks(task_class, levels: list[str], max_turns: int, pool: int = 0):
+    """Each level's training stream (never a held-out puzzle of that level), and an endless
+    iterator that takes one puzzle from each stream in turn. `pool` > 0: each stream replays its
+    first `pool` puzzles (env.TrainingStream)."""
+    streams = [env.TrainingStream(task_class, level, max_turns, pool=pool) for level in levels]
     return streams, (streams[i % len(streams)].next() for i in itertools.count())
 
 
@@ -115,8 +115,9 @@ def make_optimizer(model, lr: float, vision_lr: float = 0.0) -> torch.optim.Adam
 
 
 def action_hits(logits, inputs: dict, mask, answer_id: int) -> tuple[int, int]:
-    """(right, total) over the action tokens, the ones right after `<answer>`: the rest of a reply
-    is fixed syntax, learned in a few steps. logits and mask are aligned to targets input_ids[:, 1:]."""
+    """(right, total) over the action tokens, the ones right after `answer_id` (the last token of
+    ChatFormat.action_prefix: `<answer>`): the rest of a reply is fixed syntax, learned in a few
+    steps. logits and mask are aligned to targets input_ids[:, 1:]."""
     is_action = (mask > 0) & (inputs["input_ids"][:, :-1] == answer_id)
     right = (logits.argmax(-1) == inputs["input_ids"][:, 1:]) & is_action
     return int(right.sum()), int(is_action.sum())
@@ -125,10 +126,10 @@ def action_hits(logits, inputs: dict, mask, answer_id: int) -> tuple[int, int]:
 @torch.no_grad()
 def action_accuracy(model, processor, sequences: list, answer_id: int, shuffle_images: random.Random | None = None,
                     micro_batch_size: int = 8) -> float:
-    """Teacher-forced accuracy on the action token (the one right after `<answer>`).
+    """Teacher-forced accuracy on the action token (the one right after `answer_id`).
 
     With `shuffle_images`, every image is swapped for a random image from other sequences: a
-    model that really reads the maze drops towards chance, one that only learned the text
+    model that really reads the picture drops towards chance, one that only learned the text
     history's habits (e.g. "keep going the way you went") does not notice. The gap between the
     two is how much the policy uses its eyes.
     """
@@ -170,26 +171,24 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="", help="HF model dir or id; empty: the tiny model")
     parser.add_argument("--out", default="runs/sft", help="where the fine-tuned model is written")
-    parser.add_argument("--difficulty", default="small")
+    parser.add_argument("--task", default="maze", help="the task (train.py's --task): a name in tasks/ or module:Class")
+    parser.add_argument("--difficulty", default="small", help="the task's level")
     parser.add_argument("--steps", type=int, default=250,
                         help="the main job's warm start: it stops in the 30-60%% band of held-out solve rate, so "
                              "that GRPO has room to show what it adds (3,000 steps reach ~92%%: docs/experiments.md)")
     parser.add_argument("--batch-size", type=int, default=4,
-                        help="sequences per optimizer step (one per maze with full history, one per turn otherwise)")
+                        help="sequences per optimizer step (one per puzzle with full history, one per turn otherwise)")
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--warmup", type=int, default=30, help="linear warm-up steps, then cosine decay to 0")
     parser.add_argument("--also-train-on", default="",
-                        help="comma-separated other sizes whose training mazes are mixed in, one maze in turn from "
-                             "each stream: many more layouts than 7x7's 135 training ones, against memorising them")
+                        help="comma-separated other levels whose training puzzles are mixed in, one puzzle in turn "
+                             "from each stream: many more layouts than 7x7's 135 training mazes, against memorising")
     parser.add_argument("--train-pool", type=int, default=0,
-                        help="0: new training mazes throughout; N: the first N over and over (a set to overfit)")
-    parser.add_argument("--noise", type=float, default=0.0, help="chance, per on-path turn, of starting a detour")
-    parser.add_argument("--max-detour", type=int, default=3, help="longest detour, in wrong moves")
+                        help="0: new training puzzles throughout; N: the first N over and over (a set to overfit)")
+    parser.add_argument("--noise", type=float, default=0.0, help="chance, per turn on the solver's way, of starting a detour")
+    parser.add_argument("--max-detour", type=int, default=3, help="longest detour, in actions off the way")
     parser.add_argument("--max-turns", type=int, default=15)
     parser.add_argument("--max-images", type=int, default=0, help="0: full image history (the walkthrough's format)")
-    parser.add_argument("--cell-px", type=int, default=0, help="0: the style's own (32 ours, 25 visgym)")
-    parser.add_argument("--env-style", default="ours", choices=list(env.MAZE_STYLES),
-                        help="ours, or visgym: VisGym's mazes for a seed, drawing, texts and parser")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log-every", type=int, default=50)
     parser.add_argument("--save-every", type=int, default=0,
@@ -206,6 +205,14 @@ def main():
 
     from transformers import Qwen3VLForConditionalGeneration, get_scheduler
 
+    try:
+        task_class = tasks.task_class(args.task)
+        levels = [args.difficulty, *filter(None, args.also_train_on.split(","))]
+        streams, puzzles = training_tasks(task_class, levels, args.max_turns, pool=args.train_pool)
+    except ValueError as e:
+        raise SystemExit(f"sft.py: {e}")
+    if not env.features(task_class)["solver"]:
+        raise SystemExit(f"sft.py: the task {args.task} has no solver (env.Task.solve) to demonstrate it")
     model_path = policy.resolve_model(args.model, collective=False)
     out = Path(args.out)
     rundir.check_writable(out)
@@ -213,7 +220,7 @@ def main():
     rng = random.Random(args.seed)
     chat = rollout.ChatFormat.for_model(model_path)
     processor = chat.processor
-    reply_ids, answer_id = chat.reply_tokens()
+    answer_id = chat.action_prefix(streams[0].first(1)[0])[-1]  # the token an action follows
     model = Qwen3VLForConditionalGeneration.from_pretrained(model_path, dtype=torch.float32)
     model.train()
     model.model.visual.requires_grad_(not args.freeze_vision)
@@ -223,15 +230,13 @@ def main():
     # linear warm-up, then a cosine decay to zero at the last step
     schedule = get_scheduler("cosine", optimizer, num_warmup_steps=args.warmup, num_training_steps=args.steps)
 
-    _, mazes = training_mazes([args.difficulty, *filter(None, args.also_train_on.split(","))],
-                              pool=args.train_pool, style=args.env_style)
-    pool, log, t_start, mazes_seen = [], [], time.time(), 0
+    pool, log, t_start, puzzles_seen = [], [], time.time(), 0
     bar = tqdm(range(args.steps), desc="sft", unit="step")
     for step in bar:
         while len(pool) < args.batch_size:
-            pool += demonstration(next(mazes), chat, reply_ids, rng, visgym.EnvSettings.of(args),
-                                  max_images=args.max_images or None, noise=args.noise, max_detour=args.max_detour)
-            mazes_seen += 1
+            pool += demonstration(next(puzzles), chat, rng, max_images=args.max_images or None, noise=args.noise,
+                                  max_detour=args.max_detour)
+            puzzles_seen += 1
         rng.shuffle(pool)
         sequences, pool = pool[:args.batch_size], pool[args.batch_size:]
         batch = policy.Batch(sequences, processor, model)  # a frozen vision tower encodes each image once
@@ -253,19 +258,19 @@ def main():
             bar.set_postfix(loss=f"{recent[-1]['loss']:.3f}", acc=f"{acc:.2f}")
             with open(out / "sft_metrics.jsonl", "a") as f:
                 f.write(json.dumps({**log[-1], "action_accuracy_avg": acc, "wall_s": time.time() - t_start,
-                                    "mazes_seen": mazes_seen}) + "\n")
+                                    "puzzles_seen": puzzles_seen}) + "\n")
         if args.save_every and (step + 1) % args.save_every == 0 and step + 1 < args.steps:
             # a merged copy: merging in place would fold the LoRA into the weights still training
             snapshot = copy.deepcopy(model).merge_and_unload() if args.lora_rank else model
             write_model(snapshot, processor, model_path, out / f"model_step_{step + 1}",
                         {**vars(args), "base": model_path, "snapshot_step": step + 1, "wall_s": time.time() - t_start})
 
-    # Does the policy read the image? Demonstrations on the held-out evaluation mazes (evaluated on,
-    # never trained on), with their real images and with shuffled ones.
+    # Does the policy read the image? Demonstrations on the held-out puzzles (evaluated on, never
+    # trained on), with their real images and with shuffled ones.
     held_out = []
-    for maze in env.eval_mazes(args.difficulty, 32, args.env_style):
-        held_out += demonstration(maze, chat, reply_ids, rng, visgym.EnvSettings.of(args),
-                                  max_images=args.max_images or None, noise=args.noise, max_detour=args.max_detour)
+    for task in env.held_out(task_class, args.difficulty, 32, args.max_turns):
+        held_out += demonstration(task, chat, rng, max_images=args.max_images or None, noise=args.noise,
+                                  max_detour=args.max_detour)
     check = {"heldout_action_accuracy": action_accuracy(model, processor, held_out, answer_id),
              "heldout_action_accuracy_shuffled_images": action_accuracy(model, processor, held_out, answer_id,
                                                                         shuffle_images=random.Random(0))}

@@ -9,6 +9,7 @@ trainer, the rollout engine and the server take the same code path for both.
 
     python tiny_model.py --out .cache/tiny-qwen3-vl [--seed 0] [--force]
     python tiny_model.py --task visgym     # the build for VisGym's maze_2d/easy: .cache/tiny-qwen3-vl-visgym
+    python tiny_model.py --task sokoban    # the build for tasks/sokoban.py: .cache/tiny-qwen3-vl-sokoban
 
 Deterministic from the seed. The directory holds a `BUILD_INFO.json` fingerprint; an existing
 directory with the same fingerprint is reused, and the build is written to a temporary directory
@@ -36,18 +37,21 @@ TEXT_LAYERS = 2  # language-model depth; deeper ones generalise better to unseen
 # to 224 px = 7x7 tokens for 81 cells), so a 25 px cell becomes 32 px, exactly one merged token,
 # and the tower is pretrained on VisGym's drawings of VisGym's mazes at that resize. Only 9x9
 # lines up: 7x7 (175 px) and 11x11 (275 px) frames also become 288 px, 41 and 26 px a cell.
-TASKS = ("ours", "visgym")
-TASK_DIRS = {"ours": DEFAULT_DIR, "visgym": ROOT / ".cache" / "tiny-qwen3-vl-visgym"}
-MIN_PIXELS = {"ours": 64 * 64, "visgym": 288 * 288}
+# "sokoban": tasks/sokoban.py's 6x6 rooms of 32 px cells, as drawn.
+TASKS = ("ours", "visgym", "sokoban")
+TASK_DIRS = {"ours": DEFAULT_DIR, "visgym": ROOT / ".cache" / "tiny-qwen3-vl-visgym",
+             "sokoban": ROOT / ".cache" / "tiny-qwen3-vl-sokoban"}
+MIN_PIXELS = {"ours": 64 * 64, "visgym": 288 * 288, "sokoban": 64 * 64}
 MAX_PIXELS = 512 * 512
 # A share of the VisGym pictures with the agent off the goal shows the white hole VisGym's canvas
-# leaves in the target once the agent has stood there (visgym.render_visgym's `vacated`), so the
+# leaves in the target once the agent has stood there (tasks/visgym_maze.py's render_visgym, `vacated`), so the
 # goal is known by its red border, not only by a full red square.
 VACATED_GOAL_SHARE = 0.25
 # Everything of the "visgym" recipe that the code's constants do not already fingerprint; a
 # version to bump when it changes (the default build's BUILD_VERSION does not move for it).
 VISGYM_RECIPE = {"task": "visgym", "version": 1, "min_pixels": MIN_PIXELS["visgym"], "difficulty": "easy",
                  "vacated_goal_share": VACATED_GOAL_SHARE}
+SOKOBAN_RECIPE = {"task": "sokoban", "version": 1, "min_pixels": MIN_PIXELS["sokoban"], "level": "6x6"}
 
 # Qwen's special tokens. The vision ones are what the Qwen3-VL processor and vLLM look for.
 SPECIAL_TOKENS = [
@@ -83,38 +87,44 @@ Cannot move into a wall. Reached the target. Stopped off the target. The episode
 
 def training_corpus() -> list[str]:
     """Text the tokenizer is trained on: the maze prompts (so they cost few tokens) + plain English."""
-    import env
+    import tasks.maze
 
-    texts = [GENERIC_TEXT, env.INSTRUCTIONS]
-    texts += [env.observation_text(step, fb) for step in range(16)
+    texts = [GENERIC_TEXT, tasks.maze.INSTRUCTIONS]
+    texts += [tasks.maze.observation_text(step, fb) for step in range(16)
               for fb in (None, "Moved right.", "Cannot move into a wall.")]
-    for size in env.DIFFICULTY_SIZES.values():
-        maze = env.generate_maze(size, seed=0)
-        game = env.MazeEnv(maze, max_turns=100)
+    for size in tasks.maze.DIFFICULTY_SIZES.values():
+        maze = tasks.maze.generate_maze(size, seed=0)
+        game = tasks.maze.MazeTask.of(maze, max_turns=100)
         texts.append(game.reset().text)
-        for action in env.solve(maze) + ["garbage", "('move', 9)"]:
+        for action in tasks.maze.solve(maze) + ["garbage", "('move', 9)"]:
             if not game.done:
                 texts.append(game.step(f"<answer>{action}</answer>").text)
     return texts * 4
 
 
 def fingerprint(seed: int, vision_steps: int = VISION_STEPS, text_layers: int = TEXT_LAYERS, task: str = "ours") -> str:
-    import env
+    import tasks.maze
 
     _check_task(task)
-    recipe = [BUILD_VERSION, vision_steps, seed, training_corpus(), env.ACTION_STRINGS, CHAT_TEMPLATE,
-              env.CELL_PX_TINY, env.WALL_RGB, env.PATH_RGB, env.GOAL_RGB, env.AGENT_RGB]
+    recipe = [BUILD_VERSION, vision_steps, seed, training_corpus(), tasks.maze.ACTION_STRINGS, CHAT_TEMPLATE,
+              tasks.maze.CELL_PX_TINY, tasks.maze.WALL_RGB, tasks.maze.PATH_RGB, tasks.maze.GOAL_RGB, tasks.maze.AGENT_RGB]
     if text_layers != TEXT_LAYERS:  # (so the default build's fingerprint did not change when depth became a knob)
         recipe.append({"text_layers": text_layers})
-    if task != "ours":  # (likewise for the task: the default build keeps its fingerprint)
-        recipe.append({**VISGYM_RECIPE, "cell_px": env.CELL_PX_VISGYM})
+    if task == "visgym":  # (likewise for the task: the default build keeps its fingerprint)
+        recipe.append({**VISGYM_RECIPE, "cell_px": tasks.maze.CELL_PX_VISGYM})
+    if task == "sokoban":
+        import tasks.sokoban
+
+        recipe.append({**SOKOBAN_RECIPE, "cell_px": tasks.sokoban.CELL_PX, "colours": [
+            tasks.sokoban.WALL_RGB, tasks.sokoban.FLOOR_RGB, tasks.sokoban.TARGET_RGB, tasks.sokoban.BOX_RGB,
+            tasks.sokoban.PLAYER_RGB], "box_inset": tasks.sokoban.BOX_INSET})
     recipe = json.dumps(recipe)
     return hashlib.sha256(recipe.encode()).hexdigest()[:16]
 
 
 def build_tokenizer(vocab_size: int):
     """Byte-level BPE + Qwen special tokens + one token per maze action string."""
-    import env
+    import tasks.maze
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -128,7 +138,7 @@ def build_tokenizer(vocab_size: int):
     tok.train_from_iterator(training_corpus(), trainer=trainer)
     # The answer tags and the five actions get their own (non-special) tokens, so a whole answer
     # `<answer>('move', 0)</answer>` is three tokens and decodes back to the exact text.
-    tok.add_tokens(["<think>", "</think>", "<answer>", "</answer>", *env.ACTION_STRINGS])
+    tok.add_tokens(["<think>", "</think>", "<answer>", "</answer>", *tasks.maze.ACTION_STRINGS])
     return PreTrainedTokenizerFast(
         tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
         bos_token=None, unk_token=None, model_max_length=32768, chat_template=CHAT_TEMPLATE,
@@ -148,6 +158,12 @@ def build_tokenizer(vocab_size: int):
 # go), and the mazes come from the training streams, never an evaluation layout.
 
 PERCEPTION_TARGETS = ["wall", "agent", "goal", "right open", "up open", "left open", "down open"]
+# Sokoban's pictures: what each cell holds, and which of the player's neighbours are wall
+SOKOBAN_TARGETS = ["wall", "agent", "box", "target", "right open", "up open", "left open", "down open"]
+
+
+def targets_of(task: str) -> list[str]:
+    return SOKOBAN_TARGETS if task == "sokoban" else PERCEPTION_TARGETS
 
 
 def _check_task(task: str) -> str:
@@ -160,14 +176,37 @@ def cell_targets(maze, agent):
     """(size * size, 7) float tensor of PERCEPTION_TARGETS for each cell, row-major."""
     import torch
 
-    import env
+    import tasks.maze
 
     rows = []
     for r in range(maze.size):
         for c in range(maze.size):
-            neighbours_open = [maze.is_open((r + dr, c + dc)) for dr, dc in env.MOVE_DELTAS.values()]
+            neighbours_open = [maze.is_open((r + dr, c + dc)) for dr, dc in tasks.maze.MOVE_DELTAS.values()]
             rows.append([not maze.is_open((r, c)), (r, c) == tuple(agent), (r, c) == maze.goal, *neighbours_open])
     return torch.tensor(rows, dtype=torch.float32)
+
+
+def sokoban_batch(puzzles, image_processor, rng):
+    """Pixels, grid sizes and per-cell SOKOBAN_TARGETS for Sokoban `puzzles` (tasks.sokoban.SokobanTask),
+    the player and the box each on a random floor cell (the box on the target too, now and then)."""
+    import torch
+
+    import tasks.sokoban
+
+    images, targets = [], []
+    for puzzle in puzzles:
+        game = puzzle.clone()
+        floor = [(r, c) for r in range(tasks.sokoban.SIZE) for c in range(tasks.sokoban.SIZE)
+                 if (r, c) not in game.walls]
+        game.player, game.box = rng.sample(floor, 2)
+        images.append(game.render())
+        for r in range(tasks.sokoban.SIZE):
+            for c in range(tasks.sokoban.SIZE):
+                open_around = [(r + dr, c + dc) not in game.walls for dr, dc in tasks.sokoban.MOVES.values()]
+                targets.append([(r, c) in game.walls, (r, c) == game.player, (r, c) == game.box,
+                                (r, c) == game.target, *open_around])
+    pixels = image_processor(images=images, return_tensors="pt")
+    return pixels["pixel_values"], pixels["image_grid_thw"], torch.tensor(targets, dtype=torch.float32)
 
 
 def perception_batch(mazes, image_processor, rng, task: str = "ours"):
@@ -178,18 +217,20 @@ def perception_batch(mazes, image_processor, rng, task: str = "ours"):
     targets line up with them by simple concatenation."""
     import torch
 
-    import env
-    import visgym
+    import tasks.maze
+    import tasks.visgym_maze
 
-    visgym_drawing = _check_task(task) == "visgym"
+    if _check_task(task) == "sokoban":
+        return sokoban_batch(mazes, image_processor, rng)
+    visgym_drawing = task == "visgym"
     images, targets = [], []
     for maze in mazes:
         agent = rng.choice([(r, c) for r in range(maze.size) for c in range(maze.size) if maze.is_open((r, c))])
         if visgym_drawing:
             vacated = [maze.goal] if agent != maze.goal and rng.random() < VACATED_GOAL_SHARE else []
-            images.append(visgym.render_visgym(maze, agent, vacated=vacated))
+            images.append(tasks.visgym_maze.render_visgym(maze, agent, vacated=vacated))
         else:
-            images.append(env.render(maze, agent))
+            images.append(tasks.maze.render(maze, agent))
         targets.append(cell_targets(maze, agent))
     pixels = image_processor(images=images, return_tensors="pt")
     return pixels["pixel_values"], pixels["image_grid_thw"], torch.cat(targets)
@@ -201,18 +242,26 @@ def heldout_accuracy(visual, head, image_processor, rng, task: str = "ours", n: 
     import torch
 
     import env
+    import tasks.maze
+    import tasks.sokoban
+    import tasks.visgym_maze
 
-    style, difficulties = ("visgym", ("easy",)) if _check_task(task) == "visgym" else ("ours", ("small", "easy", "hard"))
+    task_class, difficulties = {"visgym": (tasks.visgym_maze.VisGymMazeTask, ("easy",)),
+                                "sokoban": (tasks.sokoban.SokobanTask, ("6x6",))}.get(
+        _check_task(task), (tasks.maze.MazeTask, ("small", "easy", "hard")))
+    names = targets_of(task)
     was_training = visual.training
     visual.eval()
     accuracy = {}
     with torch.no_grad():
         for difficulty in difficulties:
-            pixels, grid, targets = perception_batch(env.eval_mazes(difficulty, n, style), image_processor, rng, task)
+            held_out = env.held_out(task_class, difficulty, n)
+            pixels, grid, targets = perception_batch(held_out if task == "sokoban" else [t.maze for t in held_out],
+                                                     image_processor, rng, task)
             right = (head(visual(pixels, grid_thw=grid).pooler_output) > 0) == (targets > 0.5)
-            at_agent = targets[:, PERCEPTION_TARGETS.index("agent")] > 0.5
-            accuracy[difficulty] = {**dict(zip(PERCEPTION_TARGETS, right.float().mean(0).tolist())),
-                                    "agent's neighbours": right[at_agent, 3:].float().mean().item()}
+            at_agent = targets[:, names.index("agent")] > 0.5
+            accuracy[difficulty] = {**dict(zip(names, right.float().mean(0).tolist())),
+                                    "agent's neighbours": right[at_agent, -4:].float().mean().item()}
     visual.train(was_training)
     return accuracy
 
@@ -224,7 +273,7 @@ def pretrain_vision(visual, image_processor, *, steps: int = VISION_STEPS, batch
 
     Task "ours": each batch mixes the 7x7, 9x9 and 11x11 sizes so one tower serves all of them.
     Task "visgym": VisGym's 9x9 mazes (its training stream, never an evaluation layout) in its
-    drawing. Warm-up, clipping and a cosine decay to zero: at a constant 3e-3 the loss spiked now
+    drawing. Task "sokoban": tasks/sokoban.py's training puzzles. Warm-up, clipping and a cosine decay to zero: at a constant 3e-3 the loss spiked now
     and then and undid what was learned.
 
     `curve_every` N > 0 appends the held-out accuracy after every N steps to `curve` (measured
@@ -236,22 +285,28 @@ def pretrain_vision(visual, image_processor, *, steps: int = VISION_STEPS, batch
     from tqdm import tqdm
 
     import env
+    import tasks.maze
+    import tasks.sokoban
+    import tasks.visgym_maze
 
     rng = random.Random(seed)
-    head = torch.nn.Linear(visual.config.out_hidden_size, len(PERCEPTION_TARGETS))
+    head = torch.nn.Linear(visual.config.out_hidden_size, len(targets_of(task)))
     params = [*visual.parameters(), *head.parameters()]
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup)
                                                  * 0.5 * (1 + math.cos(math.pi * s / steps)))
     if _check_task(task) == "visgym":
-        streams = [env.TrainMazeStream("easy", style="visgym")]
+        streams = [env.TrainingStream(tasks.visgym_maze.VisGymMazeTask, "easy")]
+    elif task == "sokoban":
+        streams = [env.TrainingStream(tasks.sokoban.SokobanTask, "6x6")]
     else:
-        streams = [env.TrainMazeStream(d) for d in ("small", "easy", "hard")]
+        streams = [env.TrainingStream(tasks.maze.MazeTask, d) for d in ("small", "easy", "hard")]
     curve_rng = random.Random(seed + 1)
     visual.train()
     bar = tqdm(range(steps), desc="vision pretraining", unit="step", disable=not progress)
     for step in bar:
-        mazes = [streams[i % len(streams)].next() for i in range(batch_size)]
+        drawn = [streams[i % len(streams)].next() for i in range(batch_size)]
+        mazes = drawn if task == "sokoban" else [t.maze for t in drawn]
         pixels, grid, targets = perception_batch(mazes, image_processor, rng, task)
         logits = head(visual(pixels, grid_thw=grid).pooler_output)
         loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, targets)
@@ -410,7 +465,8 @@ def main():
     parser.add_argument("--out", type=Path, default=None, help="default: the task's own directory "
                         f"({', '.join(f'{t}: {d.relative_to(ROOT)}' for t, d in TASK_DIRS.items())})")
     parser.add_argument("--task", default="ours", choices=list(TASKS),
-                        help="what the eyes are built for: ours (32 px cells, every size) or visgym (VisGym's easy)")
+                        help="what the eyes are built for: ours (32 px cells, every size), visgym (VisGym's easy) "
+                             "or sokoban (tasks/sokoban.py)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--force", action="store_true", help="rebuild even if an identical build exists")
     parser.add_argument("--text-layers", type=int, default=TEXT_LAYERS, help="language-model depth")

@@ -1,17 +1,18 @@
-"""GRPO post-training of a vision-language model on visual mazes: torchrun + FSDP2 + LoRA + vLLM.
+"""GRPO post-training of a vision-language model on a multi-turn visual task: torchrun + FSDP2 + LoRA + vLLM.
 
     python train.py --model runs/main/sft/model      # the main job's GRPO (its defaults are the recipe)
-    torchrun --nproc-per-node 8 train.py --model Qwen/Qwen3-VL-8B-Instruct --difficulty easy
+    torchrun --nproc-per-node 8 train.py --model Qwen/Qwen3-VL-8B-Instruct --task sokoban
     bash launch/run.sh                               # the main job end to end: tiny model, SFT, GRPO
 
-Every flag, its default and its section: config.py (or --help).
+Every flag, its default and its section: config.py (or --help). The task (--task) is any env.Task:
+tasks/ holds the ones shipped, and the trainer knows them only through env.py's interface.
 
 Every process owns two things: an FSDP2 shard of the policy (HF Qwen3-VL + PEFT LoRA, policy.py)
 and a whole in-process vLLM engine (vllm_engine.py), through which rollout.py plays. One step:
 
-    1. rollouts      every rank plays its share of the step's mazes, group_size episodes each
+    1. rollouts      every rank plays its share of the step's puzzles, group_size episodes each
     2. advantages    rewards are normalised within each group over all ranks (grpo.py), plus
-                     GiGPO's step-level term for moves made from the same cell
+                     GiGPO's step-level term for actions taken from the same state
     3. update        the policy-gradient loss on the sampled tokens (update.py): by default one
                      pass and one optimizer step, so the ratio is 1 and the clip never acts; it
                      does with --num-mini-batches or --ppo-epochs above 1
@@ -58,26 +59,26 @@ import grpo
 import policy
 import update
 import rollout
+import tasks
 import vllm_engine
 import rundir
-import visgym
 from config import Config, parse_config
 from distributed import log0
 
 
 # ----------------------------------------------------------------------------- the loop
 
-def build_rank_engine(cfg: Config, model_path: str, rank: int):
-    """This rank's vLLM engine, seeded by rank, sized for the run's mazes and turns. vLLM re-seeds
+def build_rank_engine(cfg: Config, model_path: str, rank: int, task_class):
+    """This rank's vLLM engine, seeded by rank, sized for the run's pictures and turns. vLLM re-seeds
     the global generators when it starts, so they are put back to what they were (a fresh run's,
     or the checkpoint's) afterwards."""
     rng, t0 = checkpoint.rng_states(), time.time()
+    picture = env.held_out(task_class, cfg.difficulty, 1, cfg.max_turns)[0].reset().image
     engine = vllm_engine.build_engine(model_path, max_model_len=cfg.max_model_len, max_lora_rank=cfg.lora_rank,
                                   seed=cfg.seed + rank, gpu_memory_utilization=cfg.gpu_memory_utilization,
                                   max_images=cfg.max_turns + 1, external_launcher=True,
                                   sleep_mode=cfg.engine_sleep != "none",
-                                  max_image_px=env.DIFFICULTY_SIZES[cfg.difficulty]
-                                  * env.cell_px_of(cfg.env_style, cfg.cell_px),
+                                  max_image_px=max(picture.size),
                                   # at T = 1 the raw model's log-probs (vLLM's default); at another
                                   # temperature, those of the distribution it sampled from
                                   logprobs_mode=vllm_engine.logprobs_mode(cfg.temperature))
@@ -123,7 +124,8 @@ class Run:
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
-    stream: env.TrainMazeStream
+    task_class: type  # the task (env.Task) the run plays: tasks.task_class(cfg.task)
+    stream: env.TrainingStream
     engine: object  # vllm.LLM
     sleeper: vllm_engine.EngineSleep
     guard: update.StalePolicyGuard
@@ -147,6 +149,10 @@ def start_run(cfg: Config) -> Run:
     model_path = policy.resolve_model(cfg.model)  # downloads once per node, then every rank loads it
     cfg.resolve_model_defaults(model_path)  # batch, LoRA rank, reply length: the tiny model's or a real one's
     cfg.validate(world)  # again, with them
+    task_class = tasks.task_class(cfg.task)
+    if cfg.branch_points_per_group and not env.features(task_class)["snapshots"]:
+        log0(f"the task {cfg.task} takes no snapshots (env.Task.state): this run has no branch rollouts")
+        cfg.branch_points_per_group = 0
     base = checkpoint.base_model_record(model_path)
     out, shared = Path(cfg.out_dir), Path(cfg.shared_dir or Path(cfg.out_dir) / "shared")
     # the run lock, the checkpoint to resume from, and no fresh start over another run's files
@@ -159,25 +165,25 @@ def start_run(cfg: Config) -> Run:
     model = policy.build_policy(cfg, model_path)
     optimizer = update.make_optimizer(model, cfg.lr, cfg.weight_decay)
     scheduler = update.make_scheduler(optimizer, cfg)
-    stream = env.TrainMazeStream(cfg.difficulty, eval_n=cfg.eval_mazes, pool=cfg.train_pool, style=cfg.env_style,
-                                 seed=cfg.seed)
+    stream = env.TrainingStream(task_class, cfg.difficulty, cfg.max_turns, eval_n=cfg.eval_puzzles, pool=cfg.train_pool,
+                                seed=cfg.seed)
     meta = checkpoint.load(Path(ckpt), cfg, model, optimizer, scheduler, stream, log=log0) if ckpt else {}
     start_step = meta.get("step", 0)
-    engine = build_rank_engine(cfg, model_path, rank)
+    engine = build_rank_engine(cfg, model_path, rank, task_class)
     # the policy the run publishes: from the first step of its last average_frac on, the mean of
     # the LoRA after each step (average.py), restored from the checkpoint
     tail = average.TailAverage(cfg.steps - round(cfg.average_frac * cfg.steps) + 1, cfg.lora_rank,
                                **(checkpoint.load_average(Path(ckpt), meta) if ckpt else {}))
     # how far each update moves the policy, on fixed held-out first turns (this rank's share)
-    probe_mazes = env.eval_mazes(cfg.difficulty, cfg.eval_mazes, cfg.env_style)[:max(cfg.probe_states, world)]
+    probe_tasks = env.held_out(task_class, cfg.difficulty, min(cfg.eval_puzzles, max(cfg.probe_states, world)),
+                               cfg.max_turns)
     r = Run(cfg, rank, world, torch.device("cuda", local_rank) if on_gpu else torch.device("cpu"), out, shared,
-            base, record, chat, model, optimizer, scheduler, stream, engine,
+            base, record, chat, model, optimizer, scheduler, task_class, stream, engine,
             vllm_engine.EngineSleep(cfg.engine_sleep, on_gpu, weights_bytes=policy.base_weight_bytes(model),
                                     log=log0, worst_over_ranks=distributed.max_over_ranks),
             update.StalePolicyGuard(cfg.mismatch_bound, cfg.mismatch_steps, on_gpu, start_step,
                                     meta.get("mismatch_bound")),
-            tail, evaluation.PolicyProbe(chat, probe_mazes[rank::world] if cfg.probe_states else [],
-                                         visgym.EnvSettings.of(cfg)),
+            tail, evaluation.PolicyProbe(chat, probe_tasks[rank::world] if cfg.probe_states else []),
             rundir.RunLog(out, cfg, start_step) if rank == 0 else None,
             start_step, meta.get("process_hours", 0.0), start_step if ckpt else None)
     r.lora_request, r.lora_state, _ = sync(model, engine, shared, start_step, cfg, base)
@@ -190,7 +196,7 @@ def start_run(cfg: Config) -> Run:
 def evaluate(r: Run, step: int) -> dict:
     """The published policy (the tail average once it is active, else the current one), held-out greedy."""
     return evaluation.evaluate_published(r.cfg, r.engine, r.chat, r.lora_request, r.tail, r.model, step, r.out,
-                                         r.shared, r.record, r.base)
+                                         r.shared, r.record, r.base, r.task_class)
 
 
 def save_checkpoint(r: Run, step: int) -> Path | None:
@@ -207,17 +213,17 @@ def train_step(r: Run, step: int, stop: rundir.StopRequest) -> dict | None:
     cfg, rank, world = r.cfg, r.rank, r.world
     step_start, timing, metrics = time.time(), {}, {}
 
-    # 1. rollouts: every rank draws the same mazes from the stream and plays its share
+    # 1. rollouts: every rank draws the same puzzles from the stream and plays its share
     t0 = time.time()
     stream_at_step = r.stream.state_dict()
-    mazes = [r.stream.next() for _ in range(cfg.prompts_per_step)]
+    puzzles = [r.stream.next() for _ in range(cfg.prompts_per_step)]
     per_rank = cfg.prompts_per_step // world
     mine = list(range(rank * per_rank, (rank + 1) * per_rank))
     episodes = rollout.play_episodes(
-        r.engine, r.chat, [mazes[i] for i in mine], [step * cfg.prompts_per_step + i for i in mine],
-        visgym.EnvSettings.of(cfg), rollout.Sampling.of(cfg), samples_per_maze=cfg.group_size,
-        lora_request=r.lora_request, desc=f"rollout@{step + 1}", progress=cfg.progress and rank == 0)
-    # and the forks the groups passed, replayed with every open move (branch.py; on by default for the tiny model)
+        r.engine, r.chat, [puzzles[i] for i in mine], [step * cfg.prompts_per_step + i for i in mine],
+        rollout.Sampling.of(cfg), samples_per_task=cfg.group_size, lora_request=r.lora_request,
+        desc=f"rollout@{step + 1}", progress=cfg.progress and rank == 0)
+    # and the decision points the groups passed, replayed with every legal action (branch.py; on by default for the tiny model)
     branch_experiences, branch_stats = branch.branch_step(cfg, r.engine, r.chat, episodes, r.lora_request)
     r.sleeper.sleep(r.engine)  # time-slicing: the engine gives the GPU to the trainer (--engine-sleep)
     timing["rollout_s"] = time.time() - t0
@@ -230,7 +236,7 @@ def train_step(r: Run, step: int, stop: rundir.StopRequest) -> dict | None:
     t0 = time.time()
     experiences, stats = grpo.episode_experiences(episodes, gamma=cfg.gamma, step_adv_weight=cfg.step_adv_weight,
                                                   scale_by_std=cfg.scale_adv_by_std)
-    experiences += branch_experiences  # the forks' targets, each in its parent episode's mini-batch
+    experiences += branch_experiences  # the branch points' targets, each in its parent episode's mini-batch
     metrics.update(stats, **branch_stats)
     timing["advantages_s"] = time.time() - t0
 
@@ -266,7 +272,7 @@ def train_step(r: Run, step: int, stop: rundir.StopRequest) -> dict | None:
     timing["checkpoint_s"], timing["step_s"] = time.time() - t0, time.time() - step_start
     metrics = step_metrics(metrics, timing, r.hours, r.device.type == "cuda")
     if rank == 0:
-        r.log.step(done, metrics, maze_seeds=[m.seed for m in mazes], stream_position=r.stream.position)
+        r.log.step(done, metrics, seeds=[p.seed for p in puzzles], stream_position=r.stream.position)
         if ckpt_tmp:  # after the step's line is on disk, so that `latest` never names a step it lacks
             checkpoint.publish(r.out, ckpt_tmp, done, cfg.keep_checkpoints)
     r.guard.check(done, metrics["mismatch_abs_mean"], metrics["mismatch_tokens"])  # the same on every rank

@@ -61,7 +61,7 @@ def engine_arguments(model: str, *, max_model_len: int, max_lora_rank: int, seed
     With `external_launcher` every torchrun rank builds its own engine inside its own process
     (vLLM then joins the process group torchrun created instead of spawning workers).
     `max_image_px` (the largest image's side) lets vLLM size its memory profile for the images
-    the mazes really make instead of max_images images of the largest size the processor takes.
+    the task really draws instead of max_images images of the largest size the processor takes.
     `sleep_mode` False (--engine-sleep none) leaves vLLM's sleep-mode allocator out on a GPU.
     Any other keyword goes to `vllm.LLM` as is, overriding ours (bench/bench.py tries `enforce_eager`).
     """

@@ -59,8 +59,7 @@ import vllm_engine  # noqa: E402
 
 import torch  # noqa: E402
 
-import env  # noqa: E402
-import visgym  # noqa: E402
+from tasks.maze import DIFFICULTY_SIZES, INSTRUCTIONS, MazeTask, generate_maze  # noqa: E402
 import shapes  # noqa: E402  (bench/shapes.py)
 
 RESULTS = ROOT / "bench" / "results"
@@ -102,8 +101,7 @@ def tiny_model() -> str:
 # ----------------------------------------------------------------------------- 1. rollout engine
 
 def hf_play_episodes(model, processor, mazes: list, *, samples_per_maze: int, max_turns: int,
-                     max_new_tokens: int, temperature: float, banned_token_ids: list, cell_px: int,
-                     seed: int) -> dict:
+                     max_new_tokens: int, temperature: float, banned_token_ids: list, seed: int) -> dict:
     """The plain alternative to `rollout.play_episodes`: a transformers `generate` loop.
 
     What one writes without vLLM: every turn, the whole conversation of every active episode is
@@ -116,10 +114,10 @@ def hf_play_episodes(model, processor, mazes: list, *, samples_per_maze: int, ma
     games, conversations = [], []
     for maze in mazes:
         for _ in range(samples_per_maze):
-            game = env.MazeEnv(maze, max_turns=max_turns, cell_px=cell_px)
+            game = MazeTask.of(maze, max_turns=max_turns)
             obs = game.reset()
             games.append(game)
-            conversations.append({"messages": [rollout.ChatFormat.user_turn(env.INSTRUCTIONS + "\n" + obs.text)],
+            conversations.append({"messages": [rollout.ChatFormat.user_turn(INSTRUCTIONS + "\n" + obs.text)],
                                   "images": [obs.image]})
     turns = tokens = 0
     with torch.no_grad():
@@ -153,7 +151,7 @@ def bench_rollout(args) -> dict:
             "quick": dict(mazes=2, samples=4, repeats=2, turn_limits=[8, 15]),
             "full": dict(mazes=8, samples=8, repeats=3, turn_limits=[8, 15])}[args.size]
     p = dict(**size, max_new_tokens=32, temperature=1.0, lora_rank=8, difficulty="small",
-             cell_px=env.CELL_PX_TINY, max_model_len=4096, threads=torch.get_num_threads())
+             max_model_len=4096, threads=torch.get_num_threads())
     if args.rollout_repeats:
         p["repeats"] = args.rollout_repeats
     log(f"rollout: {p['mazes']} mazes x {p['samples']} samples, turns {p['turn_limits']}, "
@@ -162,8 +160,8 @@ def bench_rollout(args) -> dict:
 
     chat = rollout.ChatFormat.for_model(model_path)
     processor = chat.processor
-    size = env.DIFFICULTY_SIZES[p["difficulty"]]
-    mazes = [env.generate_maze(size, 2_000_000 + i) for i in range(p["mazes"])]  # fixed seeds, never training's
+    size = DIFFICULTY_SIZES[p["difficulty"]]
+    mazes = [generate_maze(size, 2_000_000 + i) for i in range(p["mazes"])]  # fixed seeds, never training's
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-adapter-"))
     from tiny_model import random_lora
@@ -179,10 +177,10 @@ def bench_rollout(args) -> dict:
     def play_vllm(n_mazes, samples, turns, seed=0):
         t = time.time()
         episodes = rollout.play_episodes(
-            engine, chat, mazes[:n_mazes], list(range(n_mazes)), visgym.EnvSettings(max_turns=turns, cell_px=p["cell_px"]),
+            engine, chat, [MazeTask.of(m, max_turns=turns) for m in mazes[:n_mazes]], list(range(n_mazes)),
             rollout.Sampling(p["temperature"], seed, p["max_new_tokens"], p["max_model_len"],
                              min_new_tokens=p["max_new_tokens"]),
-            samples_per_maze=samples, lora_request=lora, progress=False)
+            samples_per_task=samples, lora_request=lora, progress=False)
         return {"s": time.time() - t, "turns": sum(e.num_turns for e in episodes),
                 "tokens": sum(e.num_generated_tokens for e in episodes)}
 
@@ -190,7 +188,7 @@ def bench_rollout(args) -> dict:
         t = time.time()
         r = hf_play_episodes(hf_model, processor, mazes[:n_mazes], samples_per_maze=samples, max_turns=turns,
                              max_new_tokens=p["max_new_tokens"], temperature=p["temperature"],
-                             banned_token_ids=chat.banned_token_ids, cell_px=p["cell_px"], seed=seed)
+                             banned_token_ids=chat.banned_token_ids, seed=seed)
         return {"s": time.time() - t, **r}
 
     # Warm-up, timed apart: the first calls compile kernels and settle shapes. Two batch sizes,
@@ -251,7 +249,7 @@ PROFILED = {
     "sample": ("gpu_model_runner.py", "sample_tokens"),
     "schedule": ("v1/core/sched/scheduler.py", "schedule"),
     "outputs": ("v1/engine/output_processor.py", "process_outputs"),
-    "env": ("/env.py", "step"),
+    "env": ("/env.py", "step"),  # Task.step, every task's turn
     "template": ("/rollout.py", "next_turn"),
     "expand": ("/rollout.py", "expand"),
     "next_prompt": ("/rollout.py", "next_prompt"),
@@ -319,11 +317,11 @@ def timing_keys(rows: list) -> list:
 def train_args(size: str) -> list:
     """Tiny settings for a few real steps; eval, checkpoint and export every 2 steps."""
     size = {"tiny": ["--prompts-per-step", "2", "--group-size", "2", "--max-turns", "2", "--max-new-tokens", "8",
-                     "--steps", "2", "--eval-mazes", "2", "--sampled-eval-samples", "1"],
+                     "--steps", "2", "--eval-puzzles", "2", "--sampled-eval-samples", "1"],
             "quick": ["--prompts-per-step", "2", "--group-size", "4", "--max-turns", "4", "--max-new-tokens", "8",
-                      "--steps", "3", "--eval-mazes", "2"],
+                      "--steps", "3", "--eval-puzzles", "2"],
             "full": ["--prompts-per-step", "4", "--group-size", "8", "--max-turns", "8", "--max-new-tokens", "32",
-                     "--steps", "5", "--eval-mazes", "8"]}[size]
+                     "--steps", "5", "--eval-puzzles", "8"]}[size]
     # rank 8 and no branch rollouts: the settings bench/README.md's tables were measured at (the
     # recipe's branches and rank 32 since 2026-12-03 are costed by bench/visit_cost.py)
     return size + ["--eval-interval", "2", "--ckpt-interval", "2", "--export-interval", "2", "--progress", "false",
@@ -499,12 +497,12 @@ def coldstart_child(engine_kwargs: dict):
     engine = vllm_engine.build_engine(model_path, max_model_len=4096, max_lora_rank=8, seed=0, **engine_kwargs)
     t_build = time.time() - t
     chat = rollout.ChatFormat.for_model(model_path)
-    mazes = [env.generate_maze(7, 2_000_000 + i) for i in range(2)]
+    mazes = [generate_maze(7, 2_000_000 + i) for i in range(2)]
     times = []
     for _ in range(2):
         t = time.time()
-        rollout.play_episodes(engine, chat, mazes, [0, 1], visgym.EnvSettings(max_turns=3),
-                              rollout.Sampling(1.0, 0, 16, 4096), samples_per_maze=2, progress=False)
+        rollout.play_episodes(engine, chat, [MazeTask.of(m, max_turns=3) for m in mazes], [0, 1],
+                              rollout.Sampling(1.0, 0, 16, 4096), samples_per_task=2, progress=False)
         times.append(time.time() - t)
     print("BENCH_RESULT " + json.dumps({"import_s": t_import, "build_s": t_build, "first_play_s": times[0],
                                         "second_play_s": times[1]}), flush=True)

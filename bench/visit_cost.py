@@ -43,7 +43,7 @@ def sft_seconds_per_step(code: Path, model: str, steps: int, batch: int, out: Pa
 def grpo_seconds_per_step(code: Path, model: str, steps: int, args: list, out: Path) -> tuple[float, dict]:
     """Median step_s over steps 3..N (the first ones hold the engine's warm-up), and phase medians."""
     subprocess.run([sys.executable, "train.py", "--model", model, "--out-dir", str(out), "--steps", str(steps),
-                    "--eval-interval", "1000", "--eval-mazes", "8", "--ckpt-interval", "1000",
+                    "--eval-interval", "1000", "--eval-puzzles", "8", "--ckpt-interval", "1000",
                     "--export-interval", "1000", "--progress", "false", *args], cwd=code, check=True,
                    capture_output=True, text=True)
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][2:-1]

@@ -23,7 +23,7 @@ import rollout  # noqa: E402
 
 import branch  # noqa: E402
 import env  # noqa: E402
-import visgym  # noqa: E402
+from tasks.maze import MazeTask, solve  # noqa: E402
 from config import Config  # noqa: E402
 from experiments.eval_policy import load_policy  # noqa: E402
 
@@ -44,26 +44,28 @@ def main():
 
     cfg = Config(model=args.model, difficulty=args.difficulty, train_pool=args.train_pool, max_turns=args.max_turns,
                  temperature=args.temperature, branch_points_per_group=args.points, max_new_tokens=8, seed=args.seed)
-    stream = env.TrainMazeStream(args.difficulty, eval_n=cfg.eval_mazes, pool=args.train_pool)
-    mazes = [stream.next() for _ in range(args.train_pool or 1000)]
-    maze = next((m for m in mazes if m.seed == args.maze_seed), None)
-    if maze is None:
-        raise SystemExit(f"no training maze with seed {args.maze_seed} among the first {len(mazes)}")
+    stream = env.TrainingStream(MazeTask, args.difficulty, args.max_turns, eval_n=cfg.eval_puzzles,
+                                pool=args.train_pool)
+    tasks = stream.first(args.train_pool or 1000)
+    task = next((t for t in tasks if t.seed == args.maze_seed), None)
+    if task is None:
+        raise SystemExit(f"no training maze with seed {args.maze_seed} among the first {len(tasks)}")
+    maze = task.maze
     engine, lora_request, chat = load_policy(args.model, args.adapter, args.max_turns)
-    episodes = rollout.play_episodes(engine, chat, [maze], [0], visgym.EnvSettings.of(cfg),
+    episodes = rollout.play_episodes(engine, chat, [task], [0],
                                      rollout.Sampling.of(cfg, temperature=args.temperature, seed=args.seed),
-                                     samples_per_maze=args.group_size, lora_request=lora_request, progress=False)
-    print(f"maze {maze.seed}: goal {maze.goal}, shortest path {len(env.solve(maze))} turns")
+                                     samples_per_task=args.group_size, lora_request=lora_request, progress=False)
+    print(f"maze {maze.seed}: goal {maze.goal}, shortest path {len(solve(maze))} turns")
     for e in episodes:
         print(f"member {e.sample_id}: {e.end_reason}, solved {e.solved}, {e.num_turns} turns, "
-              f"cells {[t.cell for t in e.played]}")
+              f"cells {[t.key for t in e.played]}")
     points = branch.choose_points(episodes, args.points)
     for p in branch.play_branches(cfg, engine, chat, episodes, points, lora_request):
-        target = p.moves[p.best] if p.best is not None else "none"
-        print(f"point: member {p.parent}, turn {p.turn}, cell {episodes[p.parent].turns[p.turn].cell}: "
-              f"returns {dict(zip(p.moves, (round(r, 3) for r in p.returns)))}, target {target}")
-        for move, b in zip(p.moves, p.branches):
-            print(f"    {move}: {b.end_reason}, solved {b.solved}, ends at {b.end_cell}, then "
+        target = p.actions[p.best] if p.best is not None else "none"
+        print(f"point: member {p.parent}, turn {p.turn}, cell {episodes[p.parent].turns[p.turn].key}: "
+              f"returns {dict(zip(p.actions, (round(r, 3) for r in p.returns)))}, target {target}")
+        for move, b in zip(p.actions, p.branches):
+            print(f"    {move}: {b.end_reason}, solved {b.solved}, ends at {b.task.agent}, then "
                   f"{[t.reply for t in b.played[p.turn + 1:]]}")
 
 

@@ -21,8 +21,8 @@ import rundir  # noqa: E402
 
 
 def solved_table(run: Path) -> dict:
-    """{step: {maze_index: solved}} of the run's own held-out evaluations (rundir.run_evals)."""
-    return {r["step"]: {row["maze_index"]: bool(row["solved"]) for row in r["mazes"]} for r in rundir.run_evals(run)}
+    """{step: {puzzle index: solved}} of the run's own held-out evaluations (rundir.run_evals)."""
+    return {r["step"]: {row["index"]: bool(row["solved"]) for row in r["puzzles"]} for r in rundir.run_evals(run)}
 
 
 def churn(run: Path, from_step: int = 0) -> dict:

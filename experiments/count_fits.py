@@ -19,7 +19,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import env  # noqa: E402
+from tasks.maze import DIFFICULTY_SIZES, MazeTask, eval_mazes, solve  # noqa: E402
+from tasks.visgym_maze import VisGymMazeTask  # noqa: E402
 
 
 def grid_edges(n: int) -> list:
@@ -113,8 +114,8 @@ def share_fitting(histogram: dict, max_turns: int) -> Fraction:
     return Fraction(sum(v for t, v in histogram.items() if t <= max_turns), sum(histogram.values()))
 
 
-def eval_fits(difficulty: str, style: str, limits, n: int = 64) -> list:
-    needed = [len(env.solve(m)) for m in env.eval_mazes(difficulty, n, style=style)]
+def eval_fits(difficulty: str, task_class, limits, n: int = 64) -> list:
+    needed = [len(solve(m)) for m in eval_mazes(difficulty, n, task_class)]
     return [sum(t <= limit for t in needed) for limit in limits]
 
 
@@ -132,9 +133,9 @@ def main():
     exact = "".join(f"{float(share_fitting(histogram, t)):>14.1%}" for t in args.limits)
     print(f"{f'all 9x9 (exact, {trees} layouts)':36}{exact}")
     for difficulty in ("easy", "hard"):
-        size = env.DIFFICULTY_SIZES[difficulty]
-        for style in env.MAZE_STYLES:
-            fits = eval_fits(difficulty, style, args.limits)
+        size = DIFFICULTY_SIZES[difficulty]
+        for style, task_class in (("ours", MazeTask), ("visgym", VisGymMazeTask)):
+            fits = eval_fits(difficulty, task_class, args.limits)
             print(f"{f'{style} {difficulty} ({size}x{size}), seeds 0-63':36}" + "".join(f"{f'{k}/64':>14}" for k in fits))
     mean = sum(t * v for t, v in histogram.items()) / sum(histogram.values())
     print(f"\n9x9 turns needed (moves + stop): mean {mean:.2f}, range {min(histogram)}-{max(histogram)}")

@@ -25,17 +25,17 @@ sys.path.insert(0, str(ROOT))
 
 import evaluation  # noqa: E402
 
-import env  # noqa: E402
+from tasks.maze import ACTION_STRINGS, INSTRUCTIONS, MOVE_DELTAS, STOP_ACTION, MazeTask, eval_mazes, parse_action  # noqa: E402
 from experiments.eval_policy import load_policy, policy_arguments  # noqa: E402
 
 VARIANTS = ("greedy", "no-repeat", "no-wall", "both")
 
 
 def blocked(maze, cell, action: str) -> bool:
-    parsed = env.parse_action(action)
+    parsed = parse_action(action)
     if parsed is None or parsed[0] != "move":
         return False
-    dr, dc = env.MOVE_DELTAS[parsed[1]]
+    dr, dc = MOVE_DELTAS[parsed[1]]
     return not maze.is_open((cell[0] + dr, cell[1] + dc))
 
 
@@ -45,10 +45,10 @@ def play(engine, lora_request, chat, mazes, variant: str, max_turns: int) -> lis
     # two tokens: `<answer>`, then the action token, whose top log-probs rank the actions
     params = SamplingParams(temperature=0.0, max_tokens=2, logprobs=20,
                             logit_bias={t: -100.0 for t in chat.banned_token_ids} or None)
-    action_of = {chat.tokenizer.convert_tokens_to_ids(a): a for a in env.ACTION_STRINGS}
-    games = [env.MazeEnv(m, max_turns=max_turns) for m in mazes]
+    action_of = {chat.tokenizer.convert_tokens_to_ids(a): a for a in ACTION_STRINGS}
+    games = [MazeTask.of(m, max_turns=max_turns) for m in mazes]
     first = [g.reset() for g in games]
-    conversations = [[evaluation.chat_user_message(env.INSTRUCTIONS + "\n" + obs.text, obs.image)] for obs in first]
+    conversations = [[evaluation.chat_user_message(INSTRUCTIONS + "\n" + obs.text, obs.image)] for obs in first]
     made = [{} for _ in mazes]  # per episode: cell -> moves already made from it
     while active := [i for i, g in enumerate(games) if not g.done]:
         outputs = engine.chat([conversations[i] for i in active], params, lora_request=lora_request, use_tqdm=False)
@@ -56,7 +56,7 @@ def play(engine, lora_request, chat, mazes, variant: str, max_turns: int) -> lis
             maze, cell = mazes[i], games[i].agent
             top = out.outputs[0].logprobs[1] if len(out.outputs[0].logprobs) > 1 else {}
             ranked = [action_of[t] for t, _ in sorted(top.items(), key=lambda kv: -kv[1].logprob) if t in action_of]
-            choices = ranked or [env.STOP_ACTION]
+            choices = ranked or [STOP_ACTION]
             if variant in ("no-wall", "both"):
                 choices = [a for a in choices if not blocked(maze, cell, a)] or choices
             if variant in ("no-repeat", "both"):
@@ -77,7 +77,7 @@ def main():
     args = parser.parse_args()
 
     engine, lora_request, chat = load_policy(args.model, args.adapter, args.max_turns)
-    mazes = env.eval_mazes(args.difficulty, args.n)
+    mazes = eval_mazes(args.difficulty, args.n)
     for variant in VARIANTS:
         solved = play(engine, lora_request, chat, mazes, variant, args.max_turns)
         print(f"{variant:>9}: solved {sum(solved)}/{len(mazes)}", flush=True)

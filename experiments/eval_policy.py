@@ -1,13 +1,13 @@
-"""Evaluate a policy (a model, optionally with a LoRA adapter) on the held-out mazes of any size.
+"""Evaluate a policy (a model, optionally with a LoRA adapter) on a task's held-out puzzles, any level.
 
     python experiments/eval_policy.py --model runs/main/sft/model --adapter runs/main/grpo/adapters/step_60 \
         --difficulty easy --out runs/main/generalisation_easy.json
 
-Greedy play of the fixed evaluation mazes through the same chat path as train.py's evaluation
+Greedy play of the fixed held-out puzzles through the same chat path as train.py's evaluation
 and `serve.py eval` (evaluation.play_chat_episodes), here with an in-process vLLM engine. Used for
 the generalisation check: a policy trained on one maze size, played on another.
 
-`--training-mazes` plays the first n mazes of the training stream instead (the ones GRPO and SFT
+`--training-mazes` plays the first n puzzles of the training stream instead (the ones GRPO and SFT
 drew from). Held-out and training solve rates side by side tell overfitting (better on the
 training mazes) from not learning at all (no better there either).
 """
@@ -27,7 +27,7 @@ import rollout  # noqa: E402
 import vllm_engine  # noqa: E402
 
 import env  # noqa: E402
-import visgym  # noqa: E402
+import tasks  # noqa: E402
 
 
 def adapter_config(adapter: str) -> dict:
@@ -51,22 +51,22 @@ def load_policy(model: str, adapter: str, max_turns: int):
     return engine, lora_request, rollout.ChatFormat.for_model(model)
 
 
-def mazes_played(difficulty: str, n: int, which: str = "evaluation", style: str = "ours") -> list:
-    """The mazes a result's `mazes_played` names: the first n evaluation or training mazes."""
+def mazes_played(difficulty: str, n: int, which: str = "evaluation", task: str = "maze", max_turns: int = 15) -> list:
+    """The puzzles a result's `mazes_played` names: the first n held-out or training ones, as tasks."""
+    task_class = tasks.task_class(task)
     if which == "training":
-        return env.first_training_mazes(difficulty, n, style=style)
-    return env.eval_mazes(difficulty, n, style)
+        return env.TrainingStream(task_class, difficulty, max_turns).first(n)
+    return env.held_out(task_class, difficulty, n, max_turns)
 
 
 def policy_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The policy to play and the held-out mazes to play it on (shared with experiments/diagnose.py)."""
     parser.add_argument("--model", required=True, help="HF model directory or id")
     parser.add_argument("--adapter", default="", help="PEFT LoRA directory; empty: the model alone")
-    parser.add_argument("--difficulty", default="small", choices=list(env.DIFFICULTY_SIZES))
-    parser.add_argument("--n", type=int, default=64, help="evaluation mazes (seeds 0..n-1)")
+    parser.add_argument("--task", default="maze", help="the task (train.py's --task)")
+    parser.add_argument("--difficulty", default="small", help="the task's level")
+    parser.add_argument("--n", type=int, default=64, help="held-out puzzles (seeds 0..n-1)")
     parser.add_argument("--max-turns", type=int, default=15)
-    parser.add_argument("--env-style", default="ours", choices=list(env.MAZE_STYLES),
-                        help="visgym: VisGym's own mazes for these seeds, its drawing, texts and parser")
     return parser
 
 
@@ -83,14 +83,13 @@ def main():
     engine, lora_request, chat = load_policy(args.model, args.adapter, args.max_turns)
     replies = evaluation.engine_replies(engine, lora_request, args.max_new_tokens, chat.banned_token_ids)
     which = "training" if args.training_mazes else "evaluation"
-    mazes = mazes_played(args.difficulty, args.n, which, args.env_style)
+    mazes = mazes_played(args.difficulty, args.n, which, args.task, args.max_turns)
     episodes = evaluation.play_chat_episodes(
-        mazes, replies, visgym.EnvSettings(style=args.env_style, max_turns=args.max_turns),
-        max_images=args.max_images or None, desc=f"{which} {args.difficulty}")
+        mazes, replies, max_images=args.max_images or None, desc=f"{which} {args.difficulty}")
     solved = sum(e.solved for e in episodes)
-    result = evaluation.eval_result(evaluation.eval_rows(episodes, list(range(len(episodes))), args.max_turns),
-                                 args.max_turns, model=args.model, adapter=args.adapter, difficulty=args.difficulty,
-                                 mazes_played=which, env_style=args.env_style)
+    result = evaluation.eval_result(evaluation.eval_rows(episodes, list(range(len(episodes)))),
+                                    args.max_turns, model=args.model, adapter=args.adapter, task=args.task,
+                                    difficulty=args.difficulty, mazes_played=which)
     print(f"{args.difficulty} {which} mazes: solved {solved}/{len(episodes)}")
     if args.out:
         out = Path(args.out)

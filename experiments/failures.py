@@ -13,8 +13,8 @@ output of experiments/eval_policy.py or `serve.py eval`) and classified by two q
 
 Also printed: how many of the mazes have a shortest path that only ever moves towards the goal,
 and over the failed mazes the turns spent bumping into walls and the cells left between the agent
-and the goal at the end (how lost a failure is, against how close). Both styles (`env_style` of
-the result) are replayed by their own env. No model is loaded.
+and the goal at the end (how lost a failure is, against how close). Both maze tasks (the result's
+`task`: ours or VisGym's) are replayed by their own task. No model is loaded.
 """
 
 import argparse
@@ -26,8 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import env  # noqa: E402
-import visgym  # noqa: E402
+from tasks.maze import ACTION_STRINGS, MOVE_DELTAS, goal_distances, solve  # noqa: E402
 from experiments.eval_policy import mazes_played  # noqa: E402
 
 
@@ -35,17 +34,19 @@ def manhattan(a, b) -> int:
     return abs(a[0] - b[0]) + abs(a[1] - b[1])
 
 
-def replay(maze, replies: list, style: str = "ours") -> tuple[list, tuple | None, int]:
+def replay(task, replies: list) -> tuple[list, tuple | None, int]:
     """The cells the agent stood on (start first), its first move off a shortest path, as (cell,
     action string or None for an invalid reply) or None if it never left one, and its wall bumps."""
-    game = visgym.make_env(maze, style, max_turns=max(len(replies), 1))
+    game = task.clone()
+    game.max_turns = max(len(replies), 1)
+    game.reset()
+    maze = game.maze
     cells, first_wrong, bumps = [maze.start], None, 0
     for reply in replies:
-        cell, (parsed, _) = game.agent, game.read_action(reply)
-        action = None if parsed is None else env.STOP_ACTION if parsed[0] == "stop" else env.ACTION_STRINGS[parsed[1]]
-        if first_wrong is None and cell != maze.goal and action != env.solve(maze, start=cell)[0]:
+        cell, action = game.agent, game.parse(reply)
+        if first_wrong is None and cell != maze.goal and action != solve(maze, start=cell)[0]:
             first_wrong = (cell, action)
-        bumps += game.step(reply).bumped
+        bumps += game.step(reply).no_effect
         cells.append(game.agent)
         if game.done:
             break
@@ -54,27 +55,28 @@ def replay(maze, replies: list, style: str = "ours") -> tuple[list, tuple | None
 
 def classify(result: dict) -> dict:
     """Counts over the failed mazes of one evaluation result (the JSON's dict)."""
-    # train.py's results are evaluation mazes; experiments/eval_policy.py says which it played
-    style = result.get("env_style", "ours")
-    mazes = mazes_played(result["difficulty"], result["total"], result.get("mazes_played", "evaluation"), style)
-    for row in result["mazes"]:
-        if "seed" in row and row["seed"] != mazes[row["maze_index"]].seed:
-            raise SystemExit(f"maze {row['maze_index']} has seed {row['seed']}, not the replayed maze's "
-                             f"{mazes[row['maze_index']].seed}: these are not the mazes this result was played on")
+    # train.py's results are held-out puzzles; experiments/eval_policy.py says which it played
+    played = mazes_played(result["difficulty"], result["total"], result.get("mazes_played", "evaluation"),
+                          result.get("task", "maze"))
+    mazes = [task.maze for task in played]
+    for row in result["puzzles"]:
+        if "seed" in row and row["seed"] != mazes[row["index"]].seed:
+            raise SystemExit(f"maze {row['index']} has seed {row['seed']}, not the replayed maze's "
+                             f"{mazes[row['index']].seed}: these are not the mazes this result was played on")
     counts = {"mazes": len(mazes), "failed": 0, "first_wrong_towards_goal": 0, "two_cell_loop": 0,
-              "monotone_shortest_path": sum(len(env.solve(m)) - 1 == manhattan(m.start, m.goal) for m in mazes),
+              "monotone_shortest_path": sum(len(solve(m)) - 1 == manhattan(m.start, m.goal) for m in mazes),
               "bumps": 0, "end_distances": []}
-    for row in result["mazes"]:
+    for row in result["puzzles"]:
         if row["solved"]:
             continue
-        maze = mazes[row["maze_index"]]
-        cells, first_wrong, bumps = replay(maze, row["replies"], style)
+        maze = mazes[row["index"]]
+        cells, first_wrong, bumps = replay(played[row["index"]], row["replies"])
         counts["failed"] += 1
         counts["bumps"] += bumps
-        counts["end_distances"].append(env.goal_distances(maze)[cells[-1]])
+        counts["end_distances"].append(goal_distances(maze)[cells[-1]])
         counts["two_cell_loop"] += len(cells) >= 6 and len(set(cells[-6:])) == 2
-        if first_wrong is not None and first_wrong[1] in env.ACTION_STRINGS[:4]:
-            cell, (dr, dc) = first_wrong[0], env.MOVE_DELTAS[env.ACTION_STRINGS.index(first_wrong[1])]
+        if first_wrong is not None and first_wrong[1] in ACTION_STRINGS[:4]:
+            cell, (dr, dc) = first_wrong[0], MOVE_DELTAS[ACTION_STRINGS.index(first_wrong[1])]
             counts["first_wrong_towards_goal"] += (
                 manhattan((cell[0] + dr, cell[1] + dc), maze.goal) < manhattan(cell, maze.goal))
     return counts

@@ -29,13 +29,12 @@ sys.path.insert(0, str(ROOT))
 
 import rollout  # noqa: E402
 
-import env  # noqa: E402
-import visgym  # noqa: E402
+from tasks.maze import ACTION_STRINGS, DIFFICULTY_SIZES, MOVE_DELTAS, STOP_ACTION, MazeTask, solve  # noqa: E402
 from experiments.eval_policy import adapter_config, mazes_played  # noqa: E402
 
 
 def open_neighbours(maze, cell) -> list:
-    return [(cell[0] + dr, cell[1] + dc) for dr, dc in env.MOVE_DELTAS.values()
+    return [(cell[0] + dr, cell[1] + dc) for dr, dc in MOVE_DELTAS.values()
             if maze.is_open((cell[0] + dr, cell[1] + dc))]
 
 
@@ -47,13 +46,13 @@ def branch_depth(maze, cell, came_from) -> int:
 
 
 def turn_kinds(maze) -> list[str]:
-    """The kind of each turn of the maze's shortest path (env.solve), in order."""
+    """The kind of each turn of the maze's shortest path (solve), in order."""
     kinds, cell, previous = [], maze.start, None
-    for action in env.solve(maze):
-        if action == env.STOP_ACTION:
+    for action in solve(maze):
+        if action == STOP_ACTION:
             kinds.append("stop")
             continue
-        dr, dc = env.MOVE_DELTAS[env.ACTION_STRINGS.index(action)]
+        dr, dc = MOVE_DELTAS[ACTION_STRINGS.index(action)]
         nxt = (cell[0] + dr, cell[1] + dc)
         wrong = [other for other in open_neighbours(maze, cell) if other not in (nxt, previous)]
         kinds.append(f"fork d{max(branch_depth(maze, w, cell) for w in wrong)}" if wrong else "corridor")
@@ -75,7 +74,6 @@ def turn_accuracy(model_path: str, mazes: list, adapter: str = "") -> tuple[coll
     import sft
 
     chat = rollout.ChatFormat.for_model(model_path)
-    reply_ids, answer_id = chat.reply_tokens()
     model = Qwen3VLForConditionalGeneration.from_pretrained(model_path, dtype=torch.float32).eval()
     if adapter:
         from peft import PeftModel
@@ -86,9 +84,9 @@ def turn_accuracy(model_path: str, mazes: list, adapter: str = "") -> tuple[coll
     for maze in mazes:
         kinds = turn_kinds(maze)
         # the whole shortest path as one conversation (full history), its replies masked in
-        sequences = sft.demonstration(maze, chat, reply_ids, random.Random(0),
-                                      visgym.EnvSettings(max_turns=len(kinds), cell_px=env.CELL_PX_TINY),
-                                      max_images=None, noise=0.0)
+        task = MazeTask.of(maze, max_turns=len(kinds))
+        answer_id = chat.action_prefix(task)[-1]  # the token right before the action
+        sequences = sft.demonstration(task, chat, random.Random(0), max_images=None, noise=0.0)
         inputs, mask, _ = policy.Batch(sequences, chat.processor).micro([0], torch.device("cpu"))
         with torch.no_grad():
             logits = model(**inputs).logits[0, :-1]
@@ -105,7 +103,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="", help="HF model directory (an SFT model, or a base model)")
     parser.add_argument("--adapter", default="", help="PEFT LoRA directory on top of the model (a GRPO export)")
-    parser.add_argument("--difficulty", default="small", choices=list(env.DIFFICULTY_SIZES))
+    parser.add_argument("--difficulty", default="small", choices=list(DIFFICULTY_SIZES))
     parser.add_argument("--n", type=int, default=64, help="mazes: evaluation seeds 0..n-1, or the first n training mazes")
     parser.add_argument("--training-mazes", action="store_true", help="score the first n training mazes instead")
     parser.add_argument("--census", action="store_true", help="no model: count the kinds of turn only")
@@ -114,7 +112,7 @@ def main():
         parser.error("give --model, or --census for the counts alone")
 
     which = "training" if args.training_mazes else "evaluation"
-    mazes = mazes_played(args.difficulty, args.n, which)
+    mazes = [task.maze for task in mazes_played(args.difficulty, args.n, which)]
     if args.census:
         total = collections.Counter(kind for maze in mazes for kind in turn_kinds(maze))
         right = total

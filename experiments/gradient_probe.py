@@ -57,7 +57,8 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import env  # noqa: E402
-import visgym  # noqa: E402
+from tasks.maze import (ACTION_STRINGS, DIFFICULTY_SIZES, MOVE_DELTAS, STOP_ACTION, MazeTask, goal_distances,  # noqa: E402
+                        solve)
 from experiments.forks import turn_kinds  # noqa: E402
 
 KINDS = ("sft", "pg_exact", "grpo8_exact", "grpo8_a", "grpo8_b", "branch", "branch_best")
@@ -67,30 +68,30 @@ SETS = ("all", "corridor", "fork", "wrong_fork")
 # ----------------------------------------------------------------------------- the oracle
 
 def oracle_values(maze, cell, turns_taken: int, max_turns: int, gamma: float) -> np.ndarray:
-    """Q*(s, a) for the five actions (env.ACTION_STRINGS order) with the agent on `cell` after
+    """Q*(s, a) for the five actions (ACTION_STRINGS order) with the agent on `cell` after
     `turns_taken` turns: play a, then the shortest path and stop; gamma^(turns after a) if the stop
     lands within the turn limit, else 0."""
-    distance = env.goal_distances(maze)
+    distance = goal_distances(maze)
     left = max_turns - turns_taken - 1  # turns still to play once a is played
-    q = np.zeros(len(env.ACTION_STRINGS))
-    for move, (dr, dc) in env.MOVE_DELTAS.items():
+    q = np.zeros(len(ACTION_STRINGS))
+    for move, (dr, dc) in MOVE_DELTAS.items():
         target = (cell[0] + dr, cell[1] + dc)
         after = target if maze.is_open(target) else cell  # a bump spends the turn in place
         needed = distance[after] + 1  # its moves, then the stop
         q[move] = gamma ** needed if needed <= left else 0.0
-    q[env.ACTION_STRINGS.index(env.STOP_ACTION)] = 1.0 if tuple(cell) == tuple(maze.goal) else 0.0
+    q[ACTION_STRINGS.index(STOP_ACTION)] = 1.0 if tuple(cell) == tuple(maze.goal) else 0.0
     return q
 
 
 def path_states(maze) -> list[dict]:
     """Each turn of the shortest path: the cell, turns taken, kind (experiments/forks.py), right action."""
     states, cell = [], tuple(maze.start)
-    for t, (action, kind) in enumerate(zip(env.solve(maze), turn_kinds(maze))):
-        right = env.ACTION_STRINGS.index(action)
-        open_moves = [m for m, (dr, dc) in env.MOVE_DELTAS.items() if maze.is_open((cell[0] + dr, cell[1] + dc))]
+    for t, (action, kind) in enumerate(zip(solve(maze), turn_kinds(maze))):
+        right = ACTION_STRINGS.index(action)
+        open_moves = [m for m, (dr, dc) in MOVE_DELTAS.items() if maze.is_open((cell[0] + dr, cell[1] + dc))]
         states.append({"cell": cell, "turn": t, "kind": kind, "right": right, "open_moves": open_moves})
-        if action != env.STOP_ACTION:
-            dr, dc = env.MOVE_DELTAS[right]
+        if action != STOP_ACTION:
+            dr, dc = MOVE_DELTAS[right]
             cell = (cell[0] + dr, cell[1] + dc)
     return states
 
@@ -178,11 +179,11 @@ def state_vectors(model, chat, maze, temperature: float, max_turns: int):
     import policy
     import sft
 
-    reply_ids, answer_id = chat.reply_tokens()
-    action_ids = [reply_ids[a][reply_ids[a].index(answer_id) + 1] for a in env.ACTION_STRINGS]
-    sequences = sft.demonstration(maze, chat, reply_ids, random.Random(0),
-                                  visgym.EnvSettings(max_turns=max_turns, cell_px=env.CELL_PX_TINY), max_images=None,
-                                  noise=0.0)
+    task = MazeTask.of(maze, max_turns=max_turns)
+    reply_ids = {a: chat.reply_ids(task, a) for a in ACTION_STRINGS}
+    answer_id = chat.action_prefix(task)[-1]
+    action_ids = [reply_ids[a][reply_ids[a].index(answer_id) + 1] for a in ACTION_STRINGS]
+    sequences = sft.demonstration(task, chat, random.Random(0), max_images=None, noise=0.0)
     inputs, mask, _ = policy.Batch(sequences, chat.processor, model).micro([0], torch.device("cpu"))
     params = [p for p in model.parameters() if p.requires_grad]
     logits = model(**inputs).logits[0, :-1]
@@ -302,7 +303,7 @@ def main():
     parser.add_argument("--adapter", default="", help="a trained PEFT LoRA to probe at; empty: a fresh one (B = 0)")
     parser.add_argument("--n", type=int, default=64,
                         help="the first n training mazes whose shortest path (stop included) fits --max-turns")
-    parser.add_argument("--difficulty", default="small", choices=list(env.DIFFICULTY_SIZES))
+    parser.add_argument("--difficulty", default="small", choices=list(DIFFICULTY_SIZES))
     parser.add_argument("--temperature", type=float, default=0.5, help="the training temperature")
     parser.add_argument("--gamma", type=float, default=0.95)
     parser.add_argument("--group-size", type=int, default=8)
@@ -318,10 +319,10 @@ def main():
     model_path = policy.resolve_model(args.model, collective=False)
     chat = rollout.ChatFormat.for_model(model_path)
     model = lora_policy(model_path, args.adapter, seed=args.seed)
-    mazes, skipped, stream = [], 0, env.TrainMazeStream(args.difficulty)
+    mazes, skipped, stream = [], 0, env.TrainingStream(MazeTask, args.difficulty)
     while len(mazes) < args.n:  # the first n training mazes whose shortest path fits the turn limit
-        maze = stream.next()
-        if len(env.solve(maze)) <= args.max_turns:
+        maze = stream.next().maze
+        if len(solve(maze)) <= args.max_turns:
             mazes.append(maze)
         else:
             skipped += 1

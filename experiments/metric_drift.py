@@ -4,17 +4,17 @@
     python experiments/metric_drift.py --played runs/x/visgym-easy.json  # and a policy's logged play
 
 Each policy plays VisGym `maze_2d/easy` seeds 0..63 in the VisGym-compatible style (its mazes,
-texts and parser; env.py) and is scored two ways:
+texts and parser; tasks/visgym_maze.py) and is scored two ways:
 
   strict   reward 1 only for stopping on the goal within the turn limit (ours, the default)
   SkyRL    its SFT recipe's reward, 0.8 x task + 0.2 x the share of turns with well-formed
-           <observation>, <justification> and <action> blocks (visgym.skyrl_shaped_reward), and
+           <observation>, <justification> and <action> blocks (skyrl_shaped_reward), and
            its pass metric, reward > 0
 
 The reference policies need no model: "shortest path" follows the BFS solution in SkyRL's tag
 format (the best any policy can do: it solves exactly the mazes whose path fits the limit), and
 "format only" makes random moves in that format and never reaches the goal on purpose. A played
-file is what experiments/eval_policy.py --env-style visgym writes (its replies are replayed here).
+file is what experiments/eval_policy.py --task visgym-maze writes (its replies are replayed here).
 """
 
 import argparse
@@ -27,7 +27,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import env  # noqa: E402
-import visgym  # noqa: E402
+from tasks.maze import ACTION_STRINGS, eval_mazes, solve  # noqa: E402
+from tasks.visgym_maze import VisGymMazeTask, skyrl_shaped_reward  # noqa: E402
 
 
 def tagged(action: str) -> str:
@@ -36,18 +37,18 @@ def tagged(action: str) -> str:
 
 
 def shortest_path(maze, max_turns: int, rng) -> list[str]:
-    return [tagged(a) for a in env.solve(maze)][:max_turns]
+    return [tagged(a) for a in solve(maze)][:max_turns]
 
 
 def format_only(maze, max_turns: int, rng) -> list[str]:
-    return [tagged(env.ACTION_STRINGS[rng.randrange(4)]) for _ in range(max_turns)]
+    return [tagged(ACTION_STRINGS[rng.randrange(4)]) for _ in range(max_turns)]
 
 
 def score(mazes, replies_of, max_turns: int) -> dict:
     """Replay each maze's replies through the env: strict solved, SkyRL's reward and pass."""
     solved = passed = 0
     for i, maze in enumerate(mazes):
-        game = visgym.VisGymMazeEnv(maze, max_turns=max_turns)
+        game = VisGymMazeTask.of(maze, max_turns=max_turns)
         game.reset()
         used = []
         for reply in replies_of(i, maze):
@@ -56,7 +57,7 @@ def score(mazes, replies_of, max_turns: int) -> dict:
             game.step(reply)
             used.append(reply)
         solved += game.solved
-        passed += visgym.skyrl_shaped_reward(used, game.solved) > 0
+        passed += skyrl_shaped_reward(used, game.solved) > 0
     return {"solved": solved, "passed": passed}
 
 
@@ -66,19 +67,19 @@ def main():
     parser.add_argument("--played", nargs="*", default=[], help="eval JSONs with replies (experiments/eval_policy.py)")
     parser.add_argument("--out", default="", help="write the table's numbers here (JSON)")
     args = parser.parse_args()
-    mazes = env.eval_mazes("easy", args.n, style="visgym")
+    mazes = eval_mazes("easy", args.n, VisGymMazeTask)
     rows = []
     for max_turns in (15, 20):
-        fit = sum(len(env.solve(m)) <= max_turns for m in mazes)
+        fit = sum(len(solve(m)) <= max_turns for m in mazes)
         for name, policy in (("shortest path (BFS, SkyRL's tags)", shortest_path), ("format only", format_only)):
             rng = random.Random(0)
             rows.append({"policy": name, "max_turns": max_turns, "fit": fit,
                          **score(mazes, lambda i, m: policy(m, max_turns, rng), max_turns)})
         for path in args.played:
             played = json.loads(Path(path).read_text())
-            if played.get("env_style") != "visgym" or played["difficulty"] != "easy":
-                raise SystemExit(f"{path}: not a play of VisGym-style easy mazes")
-            by_index = {r["maze_index"]: r["replies"] for r in played["mazes"]}
+            if played.get("task") != VisGymMazeTask.name or played["difficulty"] != "easy":
+                raise SystemExit(f"{path}: not a play of VisGym's easy mazes")
+            by_index = {r["index"]: r["replies"] for r in played["puzzles"]}
             rows.append({"policy": path, "max_turns": max_turns, "fit": fit,
                          **score(mazes, lambda i, m: by_index[i], max_turns)})
     print(f"VisGym maze_2d/easy, seeds 0..{args.n - 1}, VisGym-style play")

@@ -16,7 +16,7 @@ eval_mazes="${EVAL_MAZES:-64}"
 runs=()
 for seed in ${SEEDS:-0 1 2}; do
   out="${RUNS_DIR:-runs}/$difficulty-seed$seed"
-  OUT="$out" DIFFICULTY="$difficulty" SEED="$seed" bash launch/run.sh --eval-mazes "$eval_mazes" \
+  OUT="$out" DIFFICULTY="$difficulty" SEED="$seed" bash launch/run.sh --eval-puzzles "$eval_mazes" \
     ${GRPO_STEPS:+--steps "$GRPO_STEPS"}
   final=$(ls -d "$out"/grpo/adapters/step_* | sort -t_ -k2 -n | tail -1)
   for policy in sft grpo; do

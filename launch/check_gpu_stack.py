@@ -155,6 +155,7 @@ def trainer_step(tiny: str):
     import distributed
     import env
     import grpo
+    from tasks.maze import MazeTask
     import policy
     import update
     import rollout
@@ -182,7 +183,7 @@ def trainer_step(tiny: str):
     moved = sum(v.abs().sum().item() for k, v in state.items() if "lora_B" in k)
     assert moved > 0, "the update left LoRA B at zero"
     with tempfile.TemporaryDirectory() as out:
-        stream_state = env.TrainMazeStream("small")
+        stream_state = env.TrainingStream(MazeTask, "small")
         base = checkpoint.base_model_record(tiny)
         tmp = checkpoint.save(cfg, model, optimizer, scheduler, state, 1, stream_state, 0.0, Path(out), base)
         checkpoint.publish(Path(out), tmp, 1, keep=2)

@@ -275,15 +275,15 @@ def differences(model, source) -> tuple[list[str], dict]:
 def maze_sequences(n: int, vocab: int, cell_px: int, difficulty: str, turns: int, processor):
     """n multi-turn sequences shaped like rollouts: per turn a rendered maze image (its placeholder
     expanded to one token per merged patch), some observation text and a reply of 8 tokens."""
-    import env
     import rollout
+    from tasks.maze import DIFFICULTY_SIZES, MazeTask, generate_maze
 
     rng = random.Random(0)
     special = set(IDS.values())
     sequences = []
     for i in range(n):
-        maze = env.generate_maze(env.DIFFICULTY_SIZES[difficulty], seed=1_000_000 + i)
-        game = env.MazeEnv(maze, max_turns=turns + 1, cell_px=cell_px)
+        maze = generate_maze(DIFFICULTY_SIZES[difficulty], seed=1_000_000 + i)
+        game = MazeTask.of(maze, max_turns=turns + 1, cell_px=cell_px)
         images = [game.reset().image]
         ids, mask = [], []
         for t in range(turns):
@@ -313,6 +313,7 @@ def shape_checks(shape: str, device, text: dict, vision: dict, cell_px: int, dif
     import grpo
     import policy
     import update
+    from tasks.maze import MazeTask
 
     figures = {}
     processor = SimpleNamespace(image_processor=Qwen2VLImageProcessor(patch_size=16, merge_size=2,
@@ -410,7 +411,7 @@ def shape_checks(shape: str, device, text: dict, vision: dict, cell_px: int, dif
             t = time.time()
             if torch.distributed.get_rank() == 0:
                 checkpoint.write_adapter(model, lora, out / "adapters" / "step_1", base)
-            stream = env.TrainMazeStream("small", eval_n=8)
+            stream = env.TrainingStream(MazeTask, "small", eval_n=8)
             tmp = checkpoint.save(cfg, model, optimizer, scheduler, lora, 1, stream, 0.0, out, base)
             if torch.distributed.get_rank() == 0:
                 checkpoint.publish(out, tmp, 1, keep=2)

@@ -5,8 +5,8 @@
 
 Writes <run>/solve_rate.png (the held-out greedy solve rate at each evaluation, and the training
 solve rate as a rolling mean, labelled with the temperature the run sampled at) and
-<run>/final_episode.gif (the final policy's greedy play of one evaluation maze, replayed through
-the env from the replies logged in eval/step_<N>.json), and prints the before/after table.
+<run>/final_episode.gif (the final policy's greedy play of one held-out puzzle, replayed through
+its task from the replies logged in eval/step_<N>.json), and prints the before/after table.
 """
 
 import argparse
@@ -17,9 +17,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import rundir  # noqa: E402
 import env  # noqa: E402
-import visgym  # noqa: E402
+import rundir  # noqa: E402
+import tasks  # noqa: E402
+from tasks.visgym_maze import VisGymMazeTask  # noqa: E402
 
 
 def load_evals(run: Path) -> list[dict]:
@@ -38,7 +39,7 @@ def rolling_mean(values: list[float], window: int) -> list[float]:
 
 
 def plot_curves(run: Path, evals: list[dict], window: int = 25) -> Path:
-    """The held-out greedy curve, and the training solve rate: one step's few mazes are mostly
+    """The held-out greedy curve, and the training solve rate: one step's few puzzles are mostly
     noise, so its `window`-step rolling mean, at the temperature the run sampled at."""
     import matplotlib
     matplotlib.use("Agg")
@@ -49,15 +50,15 @@ def plot_curves(run: Path, evals: list[dict], window: int = 25) -> Path:
     metrics = [json.loads(line) for line in metrics_file.read_text().splitlines()] if metrics_file.exists() else []
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot([r["step"] for r in evals], [100 * r["solve_rate"] for r in evals], "o-",
-            label=f"held-out solve rate ({evals[0]['total']} {evals[0]['difficulty']} mazes, greedy)")
+            label=f"held-out solve rate ({evals[0]['total']} {evals[0]['difficulty']} puzzles, greedy)")
     current = [r for r in evals if "last_iterate" in r]
     if current:  # while the published policy is the tail average: the current policy beside it
         ax.plot([r["step"] for r in current], [100 * r["last_iterate"]["solve_rate"] for r in current], "x",
                 color="tab:blue", label="held-out, the last step's own policy (the line: the tail average)")
-    seen = [r for r in evals if "training_mazes" in r]
-    if seen:  # the mazes it trains on first, greedy: above the held-out curve is memorising
-        ax.plot([r["step"] for r in seen], [100 * r["training_mazes"]["solve_rate"] for r in seen], "s--",
-                color="tab:green", label=f"first {seen[0]['training_mazes']['total']} training mazes, greedy")
+    seen = [r for r in evals if "training_puzzles" in r]
+    if seen:  # the puzzles it trains on first, greedy: above the held-out curve is memorising
+        ax.plot([r["step"] for r in seen], [100 * r["training_puzzles"]["solve_rate"] for r in seen], "s--",
+                color="tab:green", label=f"first {seen[0]['training_puzzles']['total']} training puzzles, greedy")
     if metrics:
         steps, rates = [m["step"] for m in metrics], [100 * m["solve_rate"] for m in metrics]
         episodes = config.get("prompts_per_step", 0) * config.get("group_size", 0)
@@ -70,7 +71,7 @@ def plot_curves(run: Path, evals: list[dict], window: int = 25) -> Path:
     ax.set_ylim(0, 100)
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right", fontsize=8)
-    ax.set_title(f"{run} (seed {config.get('seed')}, {config.get('difficulty')} mazes)")
+    ax.set_title(f"{run} (seed {config.get('seed')}, {config.get('task', 'maze')} {config.get('difficulty')})")
     fig.tight_layout()
     path = run / "solve_rate.png"
     fig.savefig(path, dpi=120)
@@ -78,11 +79,10 @@ def plot_curves(run: Path, evals: list[dict], window: int = 25) -> Path:
     return path
 
 
-def replay_gif(run: Path, result: dict, cell_px: int, max_turns: int, style: str = "ours") -> Path:
-    """Replay the logged replies of one eval maze (the first solved one, else the first)."""
-    row = next((r for r in result["mazes"] if r["solved"]), result["mazes"][0])
-    maze = env.eval_mazes(result["difficulty"], row["maze_index"] + 1, style)[row["maze_index"]]
-    game = visgym.make_env(maze, style, max_turns=max_turns, cell_px=cell_px or None)
+def replay_gif(run: Path, result: dict, config: dict) -> Path:
+    """Replay the logged replies of one held-out puzzle (the first solved one, else the first)."""
+    row = next((r for r in result["puzzles"] if r["solved"]), result["puzzles"][0])
+    game = tasks.make(config["task"], result["difficulty"], row["seed"], config["max_turns"])
     frames = [game.reset().image]
     for reply in row["replies"]:
         if game.done:
@@ -101,10 +101,11 @@ def time_to(metrics: list[dict], evals: list[dict], rate: float):
     return hit["step"], sum(m["step_s"] for m in metrics if m["step"] <= hit["step"])
 
 
-def solvable(difficulty: str, n: int, max_turns: int, style: str = "ours") -> int:
-    """How many of the n evaluation mazes can be solved at all within max_turns (the ceiling):
-    the shortest path's moves plus the final stop must fit. On 9x9 mazes with 15 turns, not all can."""
-    return sum(len(env.solve(maze)) <= max_turns for maze in env.eval_mazes(difficulty, n, style))
+def solvable(task: str, difficulty: str, n: int, max_turns: int) -> int | None:
+    """How many of the n held-out puzzles can be solved at all within max_turns (the ceiling,
+    env.fits_turn_limit; None: the task has no solver). On 9x9 mazes with 15 turns, not all can."""
+    fits = [env.fits_turn_limit(t) for t in env.held_out(tasks.task_class(task), difficulty, n, max_turns)]
+    return None if None in fits else sum(fits)
 
 
 def visgym_solved(model: str, adapter: str, n: int, max_turns: int, max_new_tokens: int) -> tuple[int, int]:
@@ -116,11 +117,10 @@ def visgym_solved(model: str, adapter: str, n: int, max_turns: int, max_new_toke
     from experiments.eval_policy import load_policy
 
     engine, lora_request, chat = load_policy(model, adapter, max_turns)
-    settings = visgym.EnvSettings(style="visgym", max_turns=max_turns)
     solved = []
     for request, name in ((None, "warm start"), (lora_request, "final")):
         replies = evaluation.engine_replies(engine, request, max_new_tokens, chat.banned_token_ids)
-        episodes = evaluation.play_chat_episodes(env.eval_mazes("easy", n, "visgym"), replies, settings,
+        episodes = evaluation.play_chat_episodes(env.held_out(VisGymMazeTask, "easy", n, max_turns), replies,
                                                  desc=f"{name}, {max_turns} turns")
         solved.append(sum(e.solved for e in episodes))
     return solved[0], solved[1]
@@ -184,7 +184,7 @@ def forks_right(model: str, difficulty: str, n: int, adapter: str = "") -> tuple
     from experiments.eval_policy import mazes_played
     from experiments.forks import turn_accuracy
 
-    right, total = turn_accuracy(model, mazes_played(difficulty, n), adapter)
+    right, total = turn_accuracy(model, [task.maze for task in mazes_played(difficulty, n)], adapter)
     forks = [kind for kind in total if kind.startswith("fork")]
     return sum(right[k] for k in forks), sum(total[k] for k in forks)
 
@@ -201,7 +201,7 @@ def lift_record(run: Path, kind: str, command: str) -> dict:
     forks_before = forks_after = forks_total = None
     # experiments/forks.py scores our own mazes and drawing only
     if (Path(config.get("model", "")) / "config.json").exists() and final_adapter.is_dir() \
-            and config.get("env_style", "ours") == "ours":
+            and config.get("task") == "maze":
         difficulty, n = evals[0]["difficulty"], evals[0]["total"]
         forks_before, forks_total = forks_right(config["model"], difficulty, n)
         forks_after = forks_right(config["model"], difficulty, n, str(final_adapter))[0]
@@ -209,26 +209,27 @@ def lift_record(run: Path, kind: str, command: str) -> dict:
               f"{forks_after}/{forks_total} at the end")
     else:
         print(f"{run}: forks not scored (its model {config.get('model')!r} or {final_adapter} is not here, "
-              f"or its style is not ours)")
+              f"or its task is not the maze)")
     visgym_fields = {}
-    if config.get("env_style") == "visgym" and final_adapter.is_dir():
+    if config.get("task") == VisGymMazeTask.name and final_adapter.is_dir():
         n, turns = evals[0]["total"], config["max_turns"]
         before_20, after_20 = visgym_solved(config["model"], str(final_adapter), n, 20, config["max_new_tokens"])
         visgym_fields = {"env_style": "visgym", "max_turns": turns,
-                         "solvable": solvable(evals[0]["difficulty"], n, turns, "visgym"),
+                         "solvable": solvable(config["task"], evals[0]["difficulty"], n, turns),
                          "solved_20_before": before_20, "solved_20_after": after_20,
-                         "solvable_20": solvable(evals[0]["difficulty"], n, 20, "visgym")}
+                         "solvable_20": solvable(config["task"], evals[0]["difficulty"], n, 20)}
         print(f"{run}: VisGym's protocol (20 turns) {before_20}/{n} before GRPO, {after_20}/{n} at the end")
-    return {**visgym_fields, "kind": kind, "run": str(run), "seed": config["seed"], "difficulty": evals[0]["difficulty"],
+    return {**visgym_fields, "kind": kind, "run": str(run), "task": config["task"], "seed": config["seed"],
+            "difficulty": evals[0]["difficulty"],
             "total": evals[0]["total"], "warm_start_solved": evals[0]["solved"], "best_solved": best["solved"],
             "best_step": best["step"], "final_solved": evals[-1]["solved"], "final_step": evals[-1]["step"],
             # the published policy is the tail average over the last average_frac of the steps
             # (average.py); the last step's own policy, evaluated beside it
             "average_frac": config.get("average_frac", 0),
             "final_last_iterate_solved": evals[-1].get("last_iterate", {}).get("solved"),
-            # greedy play of the first training mazes (evaluations since 2026-12-03 have it)
-            "train_solved_before": evals[0].get("training_mazes", {}).get("solved"),
-            "train_solved_after": evals[-1].get("training_mazes", {}).get("solved"),
+            # greedy play of the first training puzzles
+            "train_solved_before": evals[0].get("training_puzzles", {}).get("solved"),
+            "train_solved_after": evals[-1].get("training_puzzles", {}).get("solved"),
             "forks_before": forks_before, "forks_after": forks_after, "forks_total": forks_total,
             "sampled_before": evals[0].get("sampled_solve_rate"), "sampled_after": evals[-1].get("sampled_solve_rate"),
             "sampled_temperature": sampled_temperature(config),
@@ -306,7 +307,7 @@ def main():
     parser.add_argument("--table", default="", help="print the README's table of the recorded runs whose run dir "
                         "contains this text (runs/mainb-seed: the three branch runs), from the results file, and stop")
     parser.add_argument("--target", type=float, default=0.9, help="solve rate for the time-to-target columns")
-    parser.add_argument("--record", default="", choices=["", "main", "long", "control", "visgym-easy"],
+    parser.add_argument("--record", default="", choices=["", "main", "long", "control", "visgym-easy", "sokoban"],
                         help="also add each run to docs/results/rl_lift.json as this kind (control: a run "
                              "that isolates one change against main runs, not the recipe)")
     parser.add_argument("--command", default="", help="the command that made the runs (for --record)")
@@ -315,7 +316,7 @@ def main():
     if args.table:
         recorded = [r for r in (json.loads(args.results.read_text()) if args.results.exists() else [])
                     if args.table in r["run"]]
-        visgym_runs = [r for r in recorded if r.get("env_style") == "visgym"]
+        visgym_runs = [r for r in recorded if r.get("env_style") == "visgym"]  # records keep the style's name
         print(visgym_table(visgym_runs) if visgym_runs else records_table(recorded))
         return
     if not args.runs:
@@ -328,7 +329,7 @@ def main():
         config = json.loads((run / "config.json").read_text())
         loaded[run] = evals, config
         print(f"curve: {plot_curves(run, evals)}")
-        print(f"episode: {replay_gif(run, evals[-1], config['cell_px'], config['max_turns'], config.get('env_style', 'ours'))}")
+        print(f"episode: {replay_gif(run, evals[-1], config)}")
     evals, config = loaded[args.runs[0]]
     if len(args.runs) == 1:
         best = max(evals, key=lambda r: r["solve_rate"])
@@ -336,18 +337,17 @@ def main():
         print(f"| before GRPO | {evals[0]['step']} | {evals[0]['solved']}/{evals[0]['total']} |")
         print(f"| best | {best['step']} | {best['solved']}/{best['total']} |")
         print(f"| final | {evals[-1]['step']} | {evals[-1]['solved']}/{evals[-1]['total']} |")
-        if "training_mazes" in evals[0] and "training_mazes" in evals[-1]:
-            before, after = evals[0]["training_mazes"], evals[-1]["training_mazes"]
-            print(f"\nfirst {before['total']} training mazes, greedy: {before['solved']} solved before GRPO, "
+        if "training_puzzles" in evals[0] and "training_puzzles" in evals[-1]:
+            before, after = evals[0]["training_puzzles"], evals[-1]["training_puzzles"]
+            print(f"\nfirst {before['total']} training puzzles, greedy: {before['solved']} solved before GRPO, "
                   f"{after['solved']} at the end")
         if "sampled_solve_rate" in evals[0] and "sampled_solve_rate" in evals[-1]:
-            print(f"\nsampled solve rate (temperature {sampled_temperature(config)}, held-out mazes): "
+            print(f"\nsampled solve rate (temperature {sampled_temperature(config)}, held-out puzzles): "
                   f"{evals[0]['sampled_solve_rate']:.3f} before GRPO, {evals[-1]['sampled_solve_rate']:.3f} after")
     first, max_turns = evals[0], config["max_turns"]
-    style = config.get("env_style", "ours")
-    print(f"\n{solvable(first['difficulty'], first['total'], max_turns, style)} of the {first['total']} "
-          f"{first['difficulty']}{' (VisGym)' if style == 'visgym' else ''} "
-          f"evaluation mazes can be solved within {max_turns} turns (shortest path plus stop)")
+    fits = solvable(config["task"], first["difficulty"], first["total"], max_turns)
+    print(f"\n{'?' if fits is None else fits} of the {first['total']} {config['task']} {first['difficulty']} "
+          f"held-out puzzles can be solved within {max_turns} turns (their shortest solution fits)")
     print()
     print(seeds_table([run_row(run, args.target) for run in args.runs], args.target))
     if args.record:

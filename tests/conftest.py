@@ -76,7 +76,7 @@ def build_warm_start(out: Path):
 # covers them too), and a tail average over steps 2-4 (so the step-2 checkpoint holds one to
 # resume); the recipe otherwise, without its warm-up and its sampled evaluation, and at LoRA rank 8
 # (the session's engine fixture takes rank 8; the tests were sized at it).
-SHORT_RUN = ["--steps", "4", "--group-size", "4", "--eval-mazes", "8", "--temperature", "1", "--warmup-steps", "0",
+SHORT_RUN = ["--steps", "4", "--group-size", "4", "--eval-puzzles", "8", "--temperature", "1", "--warmup-steps", "0",
              "--sampled-eval-samples", "0", "--progress", "false", "--ckpt-interval", "2", "--eval-interval", "2",
              "--export-interval", "2", "--lora-dropout", "0.1", "--branch-points-per-group", "2", "--lora-rank", "8",
              "--average-frac", "0.75"]

@@ -1,4 +1,4 @@
-"""Branch rollouts (branch.py): the env put back into a state, branches that replay their parent's
+"""Branch rollouts (branch.py): a task put back into a state, branches that replay their parent's
 exact prefix, forced tokens kept out of TIS and the mismatch, and the point of it all: one update
 with the branch term lifts a confidently wrong fork about as much as one SFT step, GRPO's not."""
 
@@ -17,89 +17,70 @@ import policy
 import update
 import rollout
 import train
-import visgym
+from tasks.maze import ACTION_STRINGS, STOP_ACTION, MazeTask, generate_maze, generate_maze_visgym, parse_action, solve
+from tasks.visgym_maze import VisGymMazeTask
 from test_policy import in_fresh_process
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-# ----------------------------------------------------------------------------- the env's state
+# ----------------------------------------------------------------------------- a task's state
 
-def walk(game, actions):
-    """Play `actions`; the agent's cell before each, and the last observation."""
-    cells, obs = [], None
-    for action in actions:
-        cells.append(game.agent)
-        obs = game.step(f"<answer>{action}</answer>")
-    return cells, obs
-
-
-@pytest.mark.parametrize("style", ["ours", "visgym"])
-def test_a_restored_env_plays_on_exactly_as_the_original(style):
+@pytest.mark.parametrize("task_class", [MazeTask, VisGymMazeTask])
+def test_a_restored_task_plays_on_exactly_as_the_original(task_class):
     """Walk to the goal and one step off it (VisGym's canvas then shows a hole in the target, which
-    only `vacated` remembers), with a bump on the way; restore a fresh env to that state: it plays
-    on exactly as the original, picture for picture."""
-    maze = env.generate_maze(7, seed=3) if style == "ours" else env.generate_maze_visgym(9, seed=3)
-    rng = random.Random(0)
-    path = env.solve(maze)[:-1]  # the moves, without the stop
-    back = env.ACTION_STRINGS[(env.ACTION_STRINGS.index(path[-1]) + 2) % 4]
-    bump = next(a for a in env.ACTION_STRINGS[:4] if env.MazeEnv(maze).step(f"<answer>{a}</answer>").bumped)
-    actions = [bump] + path + [back]
-    max_turns = len(actions) + 8
-    original = visgym.make_env(maze, style, max_turns=max_turns)
-    cells, last = walk(original, actions)
-    n = len(actions)
-    episode = rollout.Episode(maze=maze, group_id=0, sample_id=0, end_cell=original.agent,
-                              turns=[rollout.Turn(text="", image=None, cell=cell, reply_ids=[1], reply="")
-                                     for cell in cells])
-    assert maze.goal in original.vacated and episode.cells_vacated(n) == original.vacated
-    copy = visgym.make_env(maze, style, max_turns=max_turns)
-    restored = copy.restore(original.agent, original.turn, episode.cells_vacated(n))
-    assert restored.image.tobytes() == last.image.tobytes()  # the state's picture, the target's hole included
-    for action in [rng.choice(env.ACTION_STRINGS) for _ in range(8)]:
-        a, b = original.step(f"<answer>{action}</answer>"), copy.step(f"<answer>{action}</answer>")
-        assert (a.text, a.reward, a.done, a.bumped, original.agent) == (b.text, b.reward, b.done, b.bumped, copy.agent)
-        assert a.image.tobytes() == b.image.tobytes()
-        if a.done:
+    only the state's `vacated` remembers), with a bump on the way; restore a copy taken at the
+    start to each turn's snapshot: it plays on exactly as the original did, picture for picture."""
+    maze = generate_maze(7, seed=3) if task_class is MazeTask else generate_maze_visgym(9, seed=3)
+    path = solve(maze)[:-1]  # the moves, without the stop
+    back = ACTION_STRINGS[(ACTION_STRINGS.index(path[-1]) + 2) % 4]
+    probe = task_class.of(maze)
+    probe.reset()
+    bump = next(a for a in ACTION_STRINGS[:4] if probe.clone().step(f"<answer>{a}</answer>").no_effect)
+    actions = [bump] + path + [back] + [random.Random(0).choice(ACTION_STRINGS) for _ in range(6)]
+    original = task_class.of(maze, max_turns=len(actions) + 1)
+    original.reset()
+    snapshots, frames, seen = [], [], []
+    for action in actions:
+        snapshots.append(original.snapshot())
+        obs = original.step(f"<answer>{action}</answer>")
+        frames.append(obs.image.tobytes())
+        seen.append((obs.text, obs.reward, obs.done, obs.no_effect, original.state_key()))
+        if obs.done:
             break
-    # every earlier turn of the same walk: cells_vacated(t) is the env's `vacated` as it was then
-    replay = visgym.make_env(maze, style, max_turns=max_turns)
-    for t, action in enumerate(actions):
-        assert episode.cells_vacated(t) == replay.vacated
-        replay.step(f"<answer>{action}</answer>")
+    assert maze.goal in original.vacated  # the walk left the target: the hole is in the picture
+    copy = task_class.of(maze, max_turns=len(actions) + 1)
+    for t in range(len(frames)):
+        copy.restore(snapshots[t])
+        for k in range(t, len(frames)):
+            obs = copy.step(f"<answer>{actions[k]}</answer>")
+            assert (obs.text, obs.reward, obs.done, obs.no_effect, copy.state_key()) == seen[k]
+            assert obs.image.tobytes() == frames[k]
     with pytest.raises(ValueError, match="cannot restore"):
-        copy.restore((0, 0), 1)  # the outer wall
+        copy.restore((1, ((0, 0), ())))  # the outer wall
 
 
-# ----------------------------------------------------------------------------- choosing forks
-
-def test_forks_and_their_moves():
-    maze = env.generate_maze(7, seed=5)
-    assert env.STOP_ACTION in branch.branch_moves(maze, maze.goal) and branch.is_fork(maze, maze.goal)
-    for cell in [(r, c) for r in range(7) for c in range(7) if maze.is_open((r, c))]:
-        moves = branch.branch_moves(maze, cell)
-        for move in moves[:4]:
-            if move != env.STOP_ACTION:
-                dr, dc = env.MOVE_DELTAS[env.ACTION_STRINGS.index(move)]
-                assert maze.is_open((cell[0] + dr, cell[1] + dc))  # never a move into a wall
-        ways = len([m for m in moves if m != env.STOP_ACTION])
-        if cell not in (maze.start, maze.goal):
-            assert branch.is_fork(maze, cell) == (ways >= 3)
-
+# ----------------------------------------------------------------------------- choosing points
 
 def fake_episode(maze, group, cells, replies, solved):
-    turns = [rollout.Turn(text="", image=None, cell=cell, reply_ids=[1], reply=reply)
-             for cell, reply in zip(cells, replies, strict=True)]
-    return rollout.Episode(maze=maze, group_id=group, sample_id=0, turns=turns, solved=solved, end_cell=cells[-1],
+    turns = [rollout.Turn(text="", image=None, key=cell, snapshot=(t, (cell, ())), reply_ids=[1], reply=reply)
+             for t, (cell, reply) in enumerate(zip(cells, replies, strict=True))]
+    return rollout.Episode(task=MazeTask.of(maze), group_id=group, sample_id=0, turns=turns, solved=solved,
                            end_reason="turn_limit")
+
+
+def is_fork(maze, cell):
+    task = MazeTask.of(maze)
+    task.restore((0, (cell, ())))
+    return task.is_decision_point()
 
 
 def test_points_prefer_forks_where_the_group_disagreed_or_failed():
     def forks_of(maze):
-        return [(r, c) for r in range(9) for c in range(9) if maze.is_open((r, c)) and branch.is_fork(maze, (r, c))
+        return [(r, c) for r in range(9) for c in range(9) if maze.is_open((r, c)) and is_fork(maze, (r, c))
                 and (r, c) not in (maze.start, maze.goal)]
 
-    maze = next(m for m in (env.generate_maze(9, seed=s) for s in range(100)) if len(forks_of(m)) >= 3)
+    maze = next(m for m in (generate_maze(9, seed=s) for s in range(100)) if len(forks_of(m)) >= 3)
     forks = forks_of(maze)
     a, b, c = forks[:3]
     # both members solve; they agree at a (turn 0) and b (turn 1), disagree at c (turn 2)
@@ -112,7 +93,7 @@ def test_points_prefer_forks_where_the_group_disagreed_or_failed():
     assert branch.choose_points(group, 0) == []
     # two groups, each gets its own points; a corridor cell is never one
     corridor = next((r, cc) for r in range(9) for cc in range(9) if maze.is_open((r, cc))
-                    and len(branch.branch_moves(maze, (r, cc))) == 2 and (r, cc) not in (maze.start, maze.goal))
+                    and not is_fork(maze, (r, cc)) and (r, cc) not in (maze.start, maze.goal))
     other = [fake_episode(maze, 8, [corridor], ["x"], False)]
     assert branch.choose_points(group + other, 1) == [(0, 0)]
     # ... unless a member stopped there, off the goal: a premature stop is a decision to redo
@@ -165,15 +146,14 @@ def test_forced_tokens_are_left_out_of_tis_and_the_mismatch():
 # ----------------------------------------------------------------------------- branches on the engine
 
 def first_turns(chat, maze, n: int, max_turns: int, first_sample_id: int = 0, max_images=None):
-    """n fresh episodes of `maze` at their first turn, and their envs (as play_episodes starts them)."""
-    episodes, games = [], []
+    """n fresh episodes of `maze` at their first turn (as play_episodes starts them)."""
+    episodes = []
     for m in range(n):
-        game = env.MazeEnv(maze, max_turns=max_turns)
+        game = MazeTask.of(maze, max_turns=max_turns)
         obs = game.reset()
-        first = chat.open_turn(game.first_text(obs), obs.image, game.agent, text_only=bool(max_images))
-        episodes.append(rollout.Episode(maze=maze, group_id=0, sample_id=first_sample_id + m, turns=[first]))
-        games.append(game)
-    return episodes, games
+        first = chat.open_turn(game.first_text(obs), obs.image, game, text_only=bool(max_images))
+        episodes.append(rollout.Episode(task=game, group_id=0, sample_id=first_sample_id + m, turns=[first]))
+    return episodes
 
 
 @pytest.mark.parametrize("max_images", [0, 2])
@@ -185,22 +165,23 @@ def test_a_branch_replays_its_parents_exact_prefix(engine, warm_start, max_image
 
     chat = rollout.ChatFormat.for_model(str(warm_start))
     cfg = train.Config(max_turns=6, max_new_tokens=8, temperature=0.5, max_images=max_images)
-    maze = env.TrainMazeStream("small").next()
-    parents = rollout.play_episodes(engine, chat, [maze], [0], visgym.EnvSettings(max_turns=6),
-                                    rollout.Sampling(0.5, 0, 8, 4096, max_images or None), samples_per_maze=2,
-                                    progress=False)
+    task = env.TrainingStream(MazeTask, "small", max_turns=6).next()
+    parents = rollout.play_episodes(engine, chat, [task], [0], rollout.Sampling(0.5, 0, 8, 4096, max_images or None),
+                                    samples_per_task=2, progress=False)
     i = max(range(2), key=lambda k: parents[k].num_turns)
     parent = parents[i]
     assert parent.num_turns >= 3
     t = 2
     (point,) = branch.play_branches(cfg, engine, chat, parents, [(i, t)])
-    reply_ids, _ = chat.reply_tokens()
-    assert point.moves == branch.branch_moves(maze, parent.turns[t].cell) and len(point.moves) >= 1
-    parent_action = env.parse_action(parent.replies[t])
-    for move, b in zip(point.moves, point.branches):
+    reply_ids = {a: chat.reply_ids(task, a) for a in task.actions}
+    at_fork = task.clone()
+    at_fork.restore(parent.turns[t].snapshot)
+    assert point.actions == at_fork.legal_actions() and len(point.actions) >= 1
+    parent_action = task.parse(parent.replies[t])
+    for move, b in zip(point.actions, point.branches):
         assert b.ended and b.turns[:t] == parent.turns[:t]  # the turns before the fork, as played
         fork, theirs_then = b.turns[t], parent.turns[t]
-        assert (fork.cell, fork.prompt_ids, fork.image) == (theirs_then.cell, theirs_then.prompt_ids, theirs_then.image)
+        assert (fork.key, fork.prompt_ids, fork.image) == (theirs_then.key, theirs_then.prompt_ids, theirs_then.image)
         assert fork.reply_ids == reply_ids[move] and theirs_then.reply_ids is not None  # the parent's turn untouched
         if max_images:  # one sequence per turn: the first t are the parent's, turn t's prompt too
             assert [s.token_ids for s in b.sequences[:t]] == [s.token_ids for s in parent.sequences[:t]]
@@ -220,9 +201,9 @@ def test_a_branch_replays_its_parents_exact_prefix(engine, warm_start, max_image
             forced_lp = own.rollout_logprobs[s:e]
             sampled_lp = [lp for lp, m in zip(own.rollout_logprobs[e:], own.response_mask[e:]) if m]
         assert all(math.isnan(x) for x in forced_lp) and not any(math.isnan(x) for x in sampled_lp)
-        if env.parse_action(f"<answer>{move}</answer>") == parent_action and t + 1 < parent.num_turns:
+        if move == parent_action and t + 1 < parent.num_turns:
             after, theirs_after = b.turns[t + 1], parent.turns[t + 1]
-            assert after.cell == theirs_after.cell  # the restored env moved as the parent's did
+            assert after.key == theirs_after.key  # the restored task moved as the parent's did
             assert (after.text, after.prompt_ids) == (theirs_after.text, theirs_after.prompt_ids)
             assert after.image.tobytes() == theirs_after.image.tobytes()
         target = branch.target_sequence(b, t, chat, max_images or None)
@@ -295,20 +276,18 @@ def test_the_branch_term_lifts_a_confidently_wrong_fork_like_an_sft_step(engine,
     batch raises p(right) by an amount comparable to one SFT step on the same state."""
 
     chat = rollout.ChatFormat.for_model(str(warm_start))
-    stream = env.TrainMazeStream("small")
-    maze = [stream.next() for _ in range(FORK_MAZE + 1)][-1]
-    path = env.solve(maze)
+    maze = env.TrainingStream(MazeTask, "small").first(FORK_MAZE + 1)[-1].maze
+    path = solve(maze)
     right = path[FORK_TURN]
-    reply_ids, _ = chat.reply_tokens()
     cfg = train.Config(temperature=TEMPERATURE, max_new_tokens=8, step_adv_weight=1.0, branch_points_per_group=1)
-    episodes, games = first_turns(chat, maze, 8, cfg.max_turns)
-    rollout.play_turns(engine, chat, episodes, games, [[reply_ids[a] for a in path[:FORK_TURN]]] * 8,
+    episodes = first_turns(chat, maze, 8, cfg.max_turns)
+    rollout.play_turns(engine, chat, episodes, [[chat.reply_ids(episodes[0].task, a) for a in path[:FORK_TURN]]] * 8,
                        rollout.Sampling(TEMPERATURE, 0, 8, 4096), progress=False)
-    choices = [env.parse_action(e.replies[FORK_TURN]) for e in episodes]
+    choices = [parse_action(e.replies[FORK_TURN]) for e in episodes]
     (point,) = branch.play_branches(cfg, engine, chat, episodes, [(0, FORK_TURN)])
     print("fork choices of the 8:", choices, "rewards:", [e.reward for e in episodes])
-    print("branches:", dict(zip(point.moves, point.returns)))
-    assert point.best is not None and point.moves[point.best] == right  # the branches found the right move
+    print("branches:", dict(zip(point.actions, point.returns)))
+    assert point.best is not None and point.actions[point.best] == right  # the branches found the right move
 
     grpo_xs, _ = grpo.episode_experiences(episodes, gamma=cfg.gamma, step_adv_weight=cfg.step_adv_weight,
                                           scale_by_std=cfg.scale_adv_by_std)  # one group (group_id 0)
@@ -358,17 +337,17 @@ def test_a_training_run_with_branches_logs_them(short_run):
 
 
 def test_a_target_is_called_optimal_only_on_a_shortest_way():
-    """branch_targets_optimal_frac's judge: every move of the solver's path is optimal, a move
-    into any other open cell from those cells is not, and stop only on the goal."""
-    maze = env.TrainMazeStream("small").next()
-    cell, checked = tuple(maze.start), 0
-    for action in env.solve(maze):
-        assert branch.is_optimal(maze, cell, action)
-        for other in branch.branch_moves(maze, cell):
+    """branch_targets_optimal_frac's judge (env.is_optimal, by the task's solver): every move of
+    the solver's path is optimal, a move into any other open cell from those cells is not, and
+    stop only on the goal."""
+    task = env.TrainingStream(MazeTask, "small").next()
+    task.reset()
+    checked, start = 0, task.snapshot()
+    for action in task.solve():
+        assert env.is_optimal(task, task.snapshot(), action)
+        for other in task.legal_actions() + [STOP_ACTION]:
             if other != action:
-                assert not branch.is_optimal(maze, cell, other)
+                assert not env.is_optimal(task, task.snapshot(), other)
                 checked += 1
-        if action != env.STOP_ACTION:
-            dr, dc = env.MOVE_DELTAS[env.ACTION_STRINGS.index(action)]
-            cell = (cell[0] + dr, cell[1] + dc)
-    assert cell == tuple(maze.goal) and checked > 0 and not branch.is_optimal(maze, maze.start, env.STOP_ACTION)
+        task.step(task.reply(action))
+    assert task.solved and checked > 0 and not env.is_optimal(task, start, STOP_ACTION)

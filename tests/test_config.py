@@ -211,13 +211,13 @@ def test_help_marks_the_switches_the_recipe_leaves_inactive(capsys):
 
 
 def test_defaults_that_follow_another_field():
-    """LoRA alpha follows the rank (2 x r) and the cell size the style, unless given."""
+    """LoRA alpha follows the rank (2 x r), unless given."""
     cfg = config.Config(lora_rank=8)
     cfg.apply_recipe("tiny")
-    assert (cfg.lora_alpha, cfg.cell_px) == (16, 32)
-    cfg = config.parse_config(["--env-style", "visgym", "--lora-alpha", "64", "--lora-rank", "16"])
+    assert cfg.lora_alpha == 16
+    cfg = config.parse_config(["--lora-alpha", "64", "--lora-rank", "16"])
     cfg.apply_recipe("tiny")
-    assert (cfg.lora_alpha, cfg.cell_px) == (64, 25)  # alpha given; the style's cell size
-    cfg = config.parse_config(["--env-style", "visgym", "--cell-px", "32"])
+    assert cfg.lora_alpha == 64  # alpha given
+    cfg = config.parse_config([])
     cfg.apply_recipe("tiny")
-    assert (cfg.lora_alpha, cfg.cell_px) == (64, 32)  # the defaults are the values the recipe runs with
+    assert cfg.lora_alpha == 64  # the default is the value the recipe runs with

@@ -10,7 +10,14 @@ from pathlib import Path
 import pytest
 
 import env
-import visgym
+from tasks.maze import (ACTION_STRINGS, MOVE_DELTAS, STOP_ACTION, Maze, MazeTask, eval_mazes, generate_maze,
+                        goal_distances, solve)
+from tasks.visgym_maze import VisGymMazeTask
+
+
+def TrainMazeStream(difficulty, **kwargs):
+    """The maze's training stream."""
+    return env.TrainingStream(MazeTask, difficulty, **kwargs)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -29,12 +36,12 @@ def test_eval_policy_plays_the_held_out_mazes_like_the_trainer(tmp_path, warm_st
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
-    assert result["difficulty"] == "easy" and result["total"] == 2 and len(result["mazes"]) == 2
-    assert result["solved"] == sum(m["solved"] for m in result["mazes"])
+    assert result["difficulty"] == "easy" and result["total"] == 2 and len(result["puzzles"]) == 2
+    assert result["solved"] == sum(m["solved"] for m in result["puzzles"])
     chat = rollout.ChatFormat.for_model(str(warm_start))
-    mine = evaluation.play_chat_episodes(env.eval_mazes("easy", 2), evaluation.engine_replies(engine, None, 8, chat.banned_token_ids),
-                                      visgym.EnvSettings(max_turns=3), progress=False)
-    assert [m["replies"] for m in result["mazes"]] == [e.replies for e in mine]
+    mine = evaluation.play_chat_episodes(env.held_out(MazeTask, "easy", 2, max_turns=3),
+                                         evaluation.engine_replies(engine, None, 8, chat.banned_token_ids), progress=False)
+    assert [m["replies"] for m in result["puzzles"]] == [e.replies for e in mine]
     assert not list(out.parent.glob("*.tmp-*"))  # written atomically
 
     bad = subprocess.run([sys.executable, "experiments/eval_policy.py", "--model", str(warm_start), "--adapter", str(tmp_path)],
@@ -50,7 +57,7 @@ def test_branch_points_shows_one_group_and_its_branches_as_the_trainer_plays_the
     import ast
     import re
 
-    pool = env.TrainMazeStream("small", pool=4)
+    pool = TrainMazeStream("small", pool=4)
     seed = pool.next().seed
     command = [sys.executable, "experiments/branch_points.py", "--model", str(warm_start), "--train-pool", "4",
                "--group-size", "2", "--max-turns", "6", "--points", "1"]
@@ -82,12 +89,12 @@ def test_branch_points_shows_one_group_and_its_branches_as_the_trainer_plays_the
 def test_diagnose_replays_the_greedy_policy_with_oracle_rules(tmp_path, tiny_model):
     from experiments.diagnose import VARIANTS, blocked
 
-    maze = env.generate_maze(7, seed=0)
+    maze = generate_maze(7, seed=0)
     start = maze.start
-    for move, (dr, dc) in env.MOVE_DELTAS.items():
-        action = env.ACTION_STRINGS[move]
+    for move, (dr, dc) in MOVE_DELTAS.items():
+        action = ACTION_STRINGS[move]
         assert blocked(maze, start, action) == (not maze.is_open((start[0] + dr, start[1] + dc)))
-    assert not blocked(maze, start, env.STOP_ACTION) and not blocked(maze, start, "garbage")
+    assert not blocked(maze, start, STOP_ACTION) and not blocked(maze, start, "garbage")
 
     proc = subprocess.run([sys.executable, "experiments/diagnose.py", "--model", str(tiny_model), "--n", "2", "--max-turns", "3"],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
@@ -101,65 +108,65 @@ def test_diagnose_replays_the_greedy_policy_with_oracle_rules(tmp_path, tiny_mod
 def test_failures_classifies_wrong_turns_towards_the_goal_and_two_cell_loops(tmp_path):
     from experiments.failures import classify
 
-    mazes = env.eval_mazes("small", 3)
+    mazes = eval_mazes("small", 3)
     # the first evaluation maze with a fork on its shortest path: another open move that also
     # brings the agent closer to the goal
     def fork(maze):
         cell = maze.start
-        for i, best in enumerate(env.solve(maze)[:-1]):
-            for move, (dr, dc) in env.MOVE_DELTAS.items():
+        for i, best in enumerate(solve(maze)[:-1]):
+            for move, (dr, dc) in MOVE_DELTAS.items():
                 nxt = (cell[0] + dr, cell[1] + dc)
                 closer = abs(nxt[0] - maze.goal[0]) + abs(nxt[1] - maze.goal[1]) < \
                     abs(cell[0] - maze.goal[0]) + abs(cell[1] - maze.goal[1])
-                if env.ACTION_STRINGS[move] != best and maze.is_open(nxt) and closer:
+                if ACTION_STRINGS[move] != best and maze.is_open(nxt) and closer:
                     return i, move
-            dr, dc = env.MOVE_DELTAS[env.ACTION_STRINGS.index(best)]
+            dr, dc = MOVE_DELTAS[ACTION_STRINGS.index(best)]
             cell = (cell[0] + dr, cell[1] + dc)
         return None
 
     index = next(i for i, m in enumerate(mazes) if fork(m))
     steps, wrong = fork(mazes[index])
-    path = env.solve(mazes[index])
-    back = env.ACTION_STRINGS[(wrong + 2) % 4]
-    bounce = path[:steps] + [env.ACTION_STRINGS[wrong], back] * 8  # in and out, in and out
-    rows = [{"maze_index": i, "solved": i != index, "replies": [f"<answer>{a}</answer>" for a in
-                                                                   (bounce[:15] if i == index else env.solve(m))]}
+    path = solve(mazes[index])
+    back = ACTION_STRINGS[(wrong + 2) % 4]
+    bounce = path[:steps] + [ACTION_STRINGS[wrong], back] * 8  # in and out, in and out
+    rows = [{"index": i, "solved": i != index, "replies": [f"<answer>{a}</answer>" for a in
+                                                                   (bounce[:15] if i == index else solve(m))]}
             for i, m in enumerate(mazes)]
-    result = {"difficulty": "small", "total": 3, "mazes": rows}
+    result = {"difficulty": "small", "total": 3, "puzzles": rows}
     counts = classify(result)
     assert counts["failed"] == 1 and counts["first_wrong_towards_goal"] == 1 and counts["two_cell_loop"] == 1
     assert counts["mazes"] == 3 and 0 <= counts["monotone_shortest_path"] <= 3
 
     # an unreadable first reply is a wrong move, but not one towards the goal; a stop off the goal no loop
-    rows[index]["replies"] = ["no idea", f"<answer>{env.STOP_ACTION}</answer>"]
-    start_distance = env.goal_distances(mazes[index])[mazes[index].start]
+    rows[index]["replies"] = ["no idea", f"<answer>{STOP_ACTION}</answer>"]
+    start_distance = goal_distances(mazes[index])[mazes[index].start]
     assert classify(result) == {**counts, "first_wrong_towards_goal": 0, "two_cell_loop": 0,
                                 "end_distances": [start_distance]}
 
     # a VisGym result is replayed by VisGym's env: k right moves of 12 leave 12 - k cells, and each
     # reply into a wall is a bump (k: the last cell of the path beside a wall, past where the styles agree)
-    visgym_mazes, our_mazes = env.eval_mazes("easy", 8, "visgym"), env.eval_mazes("easy", 8)
-    i = next(i for i in range(8) if env.solve(visgym_mazes[i]) != env.solve(our_mazes[i]))  # the styles differ
+    visgym_mazes, our_mazes = eval_mazes("easy", 8, VisGymMazeTask), eval_mazes("easy", 8)
+    i = next(i for i in range(8) if solve(visgym_mazes[i]) != solve(our_mazes[i]))  # the styles differ
     visgym_maze = visgym_mazes[i]
-    path, cell = env.solve(visgym_maze), visgym_maze.start
+    path, cell = solve(visgym_maze), visgym_maze.start
     for j, move in enumerate(path[:-2], start=1):
-        dr, dc = env.MOVE_DELTAS[env.ACTION_STRINGS.index(move)]
+        dr, dc = MOVE_DELTAS[ACTION_STRINGS.index(move)]
         cell = (cell[0] + dr, cell[1] + dc)
-        beside = [a for a, (dr, dc) in zip(env.ACTION_STRINGS, env.MOVE_DELTAS.values())
+        beside = [a for a, (dr, dc) in zip(ACTION_STRINGS, MOVE_DELTAS.values())
                   if not visgym_maze.is_open((cell[0] + dr, cell[1] + dc))]
         if beside:
             k, walls = j, beside
-    visgym_result = {"difficulty": "easy", "env_style": "visgym", "total": 8, "mazes": [
-        {"maze_index": i, "solved": False, "replies": [f"<answer>{a}</answer>" for a in path[:k] + walls[:1] * 2]}]}
+    visgym_result = {"difficulty": "easy", "task": "visgym-maze", "total": 8, "puzzles": [
+        {"index": i, "solved": False, "replies": [f"<answer>{a}</answer>" for a in path[:k] + walls[:1] * 2]}]}
     counts_visgym = classify(visgym_result)
     assert counts_visgym["end_distances"] == [len(path) - 1 - k] and counts_visgym["bumps"] == 2
 
     # the training mazes of `eval_policy.py --training-mazes` are replayed as such; a wrong maze is refused
-    stream = env.TrainMazeStream("small")
-    training = {"difficulty": "small", "total": 1, "mazes_played": "training", "mazes": [
-        {"maze_index": 0, "seed": stream.next().seed, "solved": False, "replies": ["no idea"]}]}
+    stream = TrainMazeStream("small")
+    training = {"difficulty": "small", "total": 1, "mazes_played": "training", "puzzles": [
+        {"index": 0, "seed": stream.next().seed, "solved": False, "replies": ["no idea"]}]}
     assert classify(training)["failed"] == 1
-    training["mazes"][0]["seed"] = mazes[0].seed
+    training["puzzles"][0]["seed"] = mazes[0].seed
     with pytest.raises(SystemExit, match="not the mazes"):
         classify(training)
 
@@ -186,8 +193,8 @@ def test_forks_sorts_the_shortest_path_turns_by_how_deep_the_wrong_branch_goes(t
             "#...#.#",
             "#######"]
     walls = tuple(tuple(ch == "#" for ch in row) for row in rows)
-    maze = env.Maze(walls=walls, start=(1, 1), goal=(5, 5), seed=-1)
-    assert env.solve(maze) == [env.ACTION_STRINGS[d] for d in (3, 3, 0, 0, 0, 0, 3, 3)] + [env.STOP_ACTION]
+    maze = Maze(walls=walls, start=(1, 1), goal=(5, 5), seed=-1)
+    assert solve(maze) == [ACTION_STRINGS[d] for d in (3, 3, 0, 0, 0, 0, 3, 3)] + [STOP_ACTION]
     assert branch_depth(maze, (1, 2), (1, 1)) == 2
     assert branch_depth(maze, (4, 1), (3, 1)) == 4
     assert turn_kinds(maze) == ["fork d2", "corridor", "fork d4", "corridor", "corridor", "corridor", "fork d2",
@@ -203,7 +210,7 @@ def test_forks_sorts_the_shortest_path_turns_by_how_deep_the_wrong_branch_goes(t
     census = subprocess.run([sys.executable, "experiments/forks.py", "--census", "--n", "2"], cwd=ROOT,
                             capture_output=True, text=True, timeout=120)
     counts = {kind: int(n) for kind, n in re.findall(r"(\w+(?: d\d+)?): (\d+)\n", census.stdout)}
-    expected = collections.Counter(k for m in env.eval_mazes("small", 2) for k in turn_kinds(m))
+    expected = collections.Counter(k for m in eval_mazes("small", 2) for k in turn_kinds(m))
     assert counts == dict(expected) and {k: t for k, (_, t) in scored.items()} == dict(expected), proc.stdout
     assert all(0 <= r <= t for r, t in scored.values())
 
@@ -222,7 +229,7 @@ def test_gradient_probe_estimators_are_what_their_equations_say():
 
     from experiments.gradient_probe import estimator_coefficients, grpo_coefficients, oracle_values, path_states
 
-    maze = env.TrainMazeStream("small").next()
+    maze = TrainMazeStream("small").next().maze
     states = path_states(maze)
     for s in states:
         q = oracle_values(maze, s["cell"], s["turn"], 15, 0.95)
@@ -260,15 +267,15 @@ def test_gradient_probe_gradients_match_autograd_on_the_warm_start(warm_start):
 
     chat = rollout.ChatFormat.for_model(str(warm_start))
     model = lora_policy(str(warm_start))
-    maze = env.TrainMazeStream("small").next()
+    maze = TrainMazeStream("small").next().maze
     states, vectors = path_states(maze), state_vectors(model, chat, maze, 0.5, 15)
     assert len(states) == len(vectors)
     i = next(k for k, s in enumerate(states) if s["kind"].startswith("fork"))
     assembled = grad_log_pi(states[i]["right"], 1.0) @ vectors[i]["basis"]
 
-    reply_ids, answer_id = chat.reply_tokens()
-    sequences = sft.demonstration(maze, chat, reply_ids, random.Random(0),
-                                  visgym.EnvSettings(max_turns=15, cell_px=env.CELL_PX_TINY), max_images=None, noise=0.0)
+    task = MazeTask.of(maze, max_turns=15)
+    answer_id = chat.action_prefix(task)[-1]
+    sequences = sft.demonstration(task, chat, random.Random(0), max_images=None, noise=0.0)
     inputs, mask, _ = policy.Batch(sequences, chat.processor).micro([0], torch.device("cpu"))
     logits = model(**inputs).logits[0, :-1]
     position = ((mask[0] > 0) & (inputs["input_ids"][0, :-1] == answer_id)).nonzero().flatten()[i]
@@ -348,9 +355,9 @@ def test_churn_counts_always_never_and_flips_from_the_runs_own_evaluations(tmp_p
     for step, row in solved.items():
         (run / "eval" / f"step_{step}.json").write_text(json.dumps(
             {"step": step, "solved": sum(row), "total": 4, "run_id": "r",
-             "mazes": [{"maze_index": i, "solved": bool(s)} for i, s in enumerate(row)]}))
+             "puzzles": [{"index": i, "solved": bool(s)} for i, s in enumerate(row)]}))
     (run / "eval" / "step_75.json").write_text(json.dumps(  # another run's file: not counted
-        {"step": 75, "solved": 4, "total": 4, "run_id": "other", "mazes": [{"maze_index": i, "solved": True}
+        {"step": 75, "solved": 4, "total": 4, "run_id": "other", "puzzles": [{"index": i, "solved": True}
                                                                            for i in range(4)]}))
     c = churn(run)
     assert (c["always"], c["never"], c["sometimes"], c["flips"], c["counts"]) == (1, 1, 2, [2, 2], [2, 2, 2])

@@ -67,17 +67,14 @@ def test_discounted_returns():
 
 def test_episode_experiences_put_each_turns_advantage_on_its_reply_tokens():
     """Two groups of two: A^E from the rewards within each group, A^S from the turns that left the
-    same cell, A_t = A^E + w * A^S_t on every token of reply t and nowhere else."""
+    same state (state key), A_t = A^E + w * A^S_t on every token of reply t and nowhere else."""
     from types import SimpleNamespace
-
-    maze = SimpleNamespace(size=5)
 
     def episode(group, cells, reward):
         mask = [0, 0] + [m for _ in cells for m in (1, 1, 0)]  # a 2-token prompt, then reply, observation
         seq = SimpleNamespace(response_mask=mask)
-        turns = [SimpleNamespace(cell=cell) for cell in cells]
-        return SimpleNamespace(maze=maze, group_id=group, played=turns, reward=reward, num_turns=len(cells),
-                               sequences=[seq])
+        turns = [SimpleNamespace(key=cell) for cell in cells]
+        return SimpleNamespace(group_id=group, played=turns, reward=reward, num_turns=len(cells), sequences=[seq])
 
     a, b = (0, 0), (0, 1)
     episodes = [episode(0, [a, b], 1.0), episode(0, [a, a], 0.0),  # same first cell, different outcome

@@ -26,10 +26,11 @@ import pytest
 import yaml
 
 import env
+from tasks.maze import MazeTask, eval_mazes, solve
 
 ROOT = Path(__file__).resolve().parent.parent
 # Smaller than test_train.py's runs: 2 evaluation mazes, evaluation only at the start and the end.
-TINY = ["--prompts-per-step", "2", "--group-size", "4", "--max-turns", "3", "--eval-mazes", "2",
+TINY = ["--prompts-per-step", "2", "--group-size", "4", "--max-turns", "3", "--eval-puzzles", "2",
         "--eval-interval", "100", "--sampled-eval-samples", "0", "--progress", "false"]
 RUN_TIMEOUT = 480  # seconds for a whole run, restarts included (generous: the machine may be shared); every wait is bounded
 
@@ -124,9 +125,9 @@ def assert_one_line_per_step_and_the_uninterrupted_maze_stream(out: Path, steps:
     lines = metrics(out)
     assert [m["step"] for m in lines] == list(range(1, steps + 1))
     # the seeds a run that never crashed would have drawn: none repeated, none skipped
-    stream = env.TrainMazeStream("small", eval_n=eval_mazes)
+    stream = env.TrainingStream(MazeTask, "small", eval_n=eval_mazes)
     expected = [[stream.next().seed for _ in range(2)] for _ in range(steps)]
-    assert [m["maze_seeds"] for m in lines] == expected
+    assert [m["seeds"] for m in lines] == expected
     assert lines[-1]["stream_position"] == stream.position
     # the summary's time in steps counts the killed process's steps too, not just the last process's
     summary = json.loads((out / "summary.json").read_text())
@@ -446,16 +447,16 @@ def _fake_run(run: Path, seed: int, solved_by_step: dict, step_s: float, sampled
     """A run directory as train.py leaves it: config, metrics lines, evaluation files (with the
     sampled solve rate at the steps `sampled` names)."""
     (run / "eval").mkdir(parents=True)
-    (run / "config.json").write_text(json.dumps({"seed": seed, "cell_px": 32, "max_turns": 15, "temperature": 0.5,
+    (run / "config.json").write_text(json.dumps({"seed": seed, "task": "maze", "max_turns": 15, "temperature": 0.5,
                                                  "steps": 30, **settings}))
-    maze = env.eval_mazes("small", 1)[0]
+    maze = eval_mazes("small", 1)[0]
     for step, solved in solved_by_step.items():
-        rows = [{"maze_index": 0, "solved": True, "replies": [f"<answer>{a}</answer>" for a in env.solve(maze)]}]
+        rows = [{"index": 0, "seed": 0, "solved": True, "replies": [f"<answer>{a}</answer>" for a in solve(maze)]}]
         extra = {"sampled_solve_rate": sampled[step]} if sampled and step in sampled else {}
-        extra["training_mazes"] = {"solved": solved + 1, "total": 64, "solve_rate": (solved + 1) / 64}
+        extra["training_puzzles"] = {"solved": solved + 1, "total": 64, "solve_rate": (solved + 1) / 64}
         (run / "eval" / f"step_{step}.json").write_text(json.dumps(
             {"step": step, "difficulty": "small", "solved": solved, "total": 64, "solve_rate": solved / 64,
-             "mazes": rows, "run_id": "this-run", **extra}))
+             "puzzles": rows, "run_id": "this-run", **extra}))
     last = max(solved_by_step)
     (run / "run.json").write_text(json.dumps({"run_id": "this-run"}))
     (run / "metrics.jsonl").write_text("".join(json.dumps(
@@ -470,7 +471,7 @@ def test_report_tables_come_from_the_logged_files(tmp_path):
     for step, solved in ((5, 64), (30, 64)):  # another run's evaluations left in b: not b's
         (b / "eval" / f"step_{step}.json").write_text(json.dumps(
             {"step": step, "difficulty": "small", "solved": solved, "total": 64, "solve_rate": 1.0,
-             "mazes": [], "run_id": "an-earlier-run"}))
+             "puzzles": [], "run_id": "an-earlier-run"}))
     (tmp_path / "a" / "generalisation").mkdir()
     (tmp_path / "a" / "generalisation" / "easy-grpo.json").write_text(json.dumps(
         {"adapter": "x", "difficulty": "easy", "solved": 7, "total": 64}))
@@ -748,7 +749,8 @@ def test_the_visgym_table_counts_the_mazes_that_fit(tmp_path):
     at 15 turns, all 64 at 20: experiments/count_fits.py), and run.sh refuses an unknown TASK."""
     from launch.report import solvable
 
-    assert solvable("easy", 64, 15, "visgym") == 50 and solvable("easy", 64, 20, "visgym") == 64
+    assert solvable("visgym-maze", "easy", 64, 15) == 50 and solvable("visgym-maze", "easy", 64, 20) == 64
+    assert solvable("maze", "easy", 64, 15) == 45 and solvable("sokoban", "6x6", 8, 15) == 8
     records = [{"kind": "visgym-easy", "env_style": "visgym", "run": f"runs/v-seed{s}/grpo", "seed": s, "total": 64,
                 "warm_start_solved": 25, "best_solved": 40, "best_step": 60, "final_solved": 35 + s,
                 "final_step": 100, "solvable": 50, "solved_20_before": 27, "solved_20_after": 40 + s}
@@ -761,4 +763,4 @@ def test_the_visgym_table_counts_the_mazes_that_fit(tmp_path):
     assert "Final lift +16.4 points mean (seeds +15.6, +17.2)" in proc.stdout
     proc = subprocess.run(["bash", "launch/run.sh"], cwd=ROOT, env={**os.environ, "TASK": "visgym"},
                           capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2 and "TASK must be main or visgym-easy, not 'visgym'" in proc.stderr
+    assert proc.returncode == 2 and "TASK must be main, visgym-easy or sokoban, not 'visgym'" in proc.stderr

@@ -7,6 +7,7 @@ import multiprocessing
 import pytest
 
 import env
+from tasks.maze import MazeTask
 import train
 from test_train import read_metrics
 
@@ -14,7 +15,7 @@ from test_train import read_metrics
 # (the recipe's defaults otherwise, but sampled at T 1 without the warm-up or the sampled evaluation,
 # at rank 8, a constant rate and without branch rollouts, as these tests were sized: this is GRPO's own learning; the
 # branch term's is tests/test_branch.py's confidently wrong fork)
-RUN = ["--group-size", "4", "--eval-mazes", "8", "--temperature", "1", "--warmup-steps", "0", "--lr-schedule", "constant",
+RUN = ["--group-size", "4", "--eval-puzzles", "8", "--temperature", "1", "--warmup-steps", "0", "--lr-schedule", "constant",
        "--sampled-eval-samples", "0", "--progress", "false", "--lora-rank", "8", "--branch-points-per-group", "0"]
 
 
@@ -56,9 +57,8 @@ def test_grpo_learns_a_small_pool(tmp_path, warm_start):
         proc.join(timeout=1800)
         assert proc.exitcode == 0, f"training process exited with {proc.exitcode}"
         metrics = read_metrics(out)
-        stream = env.TrainMazeStream("small", eval_n=8)
-        pool = [stream.next().seed for _ in range(4)]
-        assert all(m["maze_seeds"] == pool for m in metrics)  # the same 4 mazes every step
+        pool = [t.seed for t in env.TrainingStream(MazeTask, "small", eval_n=8).first(4)]
+        assert all(m["seeds"] == pool for m in metrics)  # the same 4 mazes every step
         rates[negate] = [m["solve_rate"] for m in metrics]
         assert all(m["mismatch_abs_mean"] < 1e-4 for m in metrics)
         if not negate:  # without spread at the start there is nothing to learn from: say so

@@ -14,7 +14,7 @@ import env
 import policy
 import update
 import train
-import visgym
+from tasks.maze import MazeTask, generate_maze
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -116,12 +116,12 @@ def _sync_check(shared: str, model_dir: str, results):
     engine = vllm_engine.build_engine(model_dir, max_model_len=4096, max_lora_rank=8, seed=0, external_launcher=True,
                                   logprobs_mode=vllm_engine.logprobs_mode(TEMPERATURE))
     chat = rollout.ChatFormat.for_model(model_dir)
-    mazes = [env.generate_maze(7, seed=s) for s in (5, 6)]
+    tasks = [MazeTask.of(generate_maze(7, seed=s), max_turns=3) for s in (5, 6)]
 
     def play(request, group_offset):
-        return rollout.play_episodes(engine, chat, mazes, [group_offset, group_offset + 1],
-                                     visgym.EnvSettings(max_turns=3), rollout.Sampling(TEMPERATURE, 0, 6, 4096),
-                                     samples_per_maze=2, lora_request=request, progress=False)
+        return rollout.play_episodes(engine, chat, tasks, [group_offset, group_offset + 1],
+                                     rollout.Sampling(TEMPERATURE, 0, 6, 4096), samples_per_task=2,
+                                     lora_request=request, progress=False)
 
     def trainer_mismatch(episodes, with_engine_bias=True):
         batch = policy.Batch([e.sequences[0] for e in episodes], chat.processor, model)

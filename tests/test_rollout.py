@@ -12,10 +12,10 @@ import grpo
 import evaluation
 import rollout
 import vllm_engine
-import visgym
 import policy
 import update
 from conftest import masked_segments
+from tasks.maze import INSTRUCTIONS, MazeTask, generate_maze, observation_text, parse_action, render, solve
 
 
 def _chat(model_dir):
@@ -24,12 +24,12 @@ def _chat(model_dir):
 
 
 def _play(engine, chat, temperature=1.0, **kw):
-    mazes = [env.generate_maze(7, seed=s) for s in (11, 12)]
-    settings = visgym.EnvSettings(max_turns=kw.pop("max_turns", 4))
+    max_turns = kw.pop("max_turns", 4)
+    tasks = [MazeTask.of(generate_maze(7, seed=s), max_turns=max_turns) for s in (11, 12)]
     sampling = rollout.Sampling(temperature=temperature, seed=0, max_new_tokens=kw.pop("max_new_tokens", 6),
                                 max_model_len=kw.pop("max_model_len", 4096), max_images=kw.pop("max_images", None))
-    return rollout.play_episodes(engine, chat, mazes, [0, 1], settings, sampling, **{"samples_per_maze": 3,
-                                                                                      "progress": False, **kw})
+    return rollout.play_episodes(engine, chat, tasks, [0, 1], sampling, **{"samples_per_task": 3,
+                                                                            "progress": False, **kw})
 
 
 def test_sequences_line_up_with_the_processor(engine, warm_start):
@@ -53,7 +53,7 @@ def test_sequences_line_up_with_the_processor(engine, warm_start):
             assert decoded.startswith(turn.reply) and set(decoded[len(turn.reply):]) <= {"\ufffd"}
         # the unmasked part is the chat template's text for the observations, images expanded by
         # the HF processor exactly as vLLM expanded them
-        first = processor(text=[processor.apply_chat_template([chat.user_turn(env.INSTRUCTIONS + "\n" + env.observation_text(0))],
+        first = processor(text=[processor.apply_chat_template([chat.user_turn(INSTRUCTIONS + "\n" + observation_text(0))],
                                                               add_generation_prompt=True, tokenize=False)],
                           images=[e.turns[0].image], return_tensors="pt")["input_ids"][0].tolist()
         assert seq.token_ids[:len(first)] == first
@@ -106,13 +106,13 @@ def test_group_members_play_the_same_maze_with_different_samples(engine, warm_st
             seen.extend(p.seed for p in params)
             return engine.generate(prompts, params, **kw)
 
-    args = dict(samples_per_maze=8, max_turns=2, temperature=2.0)  # 2: vLLM's highest
+    args = dict(samples_per_task=8, max_turns=2, temperature=2.0)  # 2: vLLM's highest
     episodes = _play(Recording(), chat, **args)
     assert len(seen) == len(set(seen)) == sum(e.num_turns for e in episodes)  # one seed per reply, all distinct
     model = Qwen3VLForConditionalGeneration.from_pretrained(warm_start, dtype=torch.float32)
     for group in (0, 1):
         members = [e for e in episodes if e.group_id == group]
-        assert len(members) == 8 and len({e.maze.layout_key() for e in members}) == 1  # one maze per group
+        assert len(members) == 8 and len({e.task.maze.layout_key() for e in members}) == 1  # one maze per group
         logp = _first_reply_logprob(model, processor, chat, members[0], args["temperature"])
         print(f"group {group}: P(first reply) = {math.exp(logp):.2e}")
         agree = len({tuple(e.turns[0].reply_ids) for e in members}) == 1
@@ -163,7 +163,7 @@ def test_stop_conditions(engine, warm_start):
 
     def check(episodes, reason):
         for e in episodes:
-            if env.parse_action(e.replies[-1]) == ("stop", "stop"):
+            if parse_action(e.replies[-1]) == ("stop", "stop"):
                 assert e.end_reason == "stop" and e.num_turns == len(e.replies), e.end_reason
             else:
                 assert e.end_reason == reason, (e.end_reason, e.replies)
@@ -184,15 +184,15 @@ def test_stop_conditions(engine, warm_start):
 
 def test_chat_episodes_parse_and_score():
     """The eval path (chat messages) with a scripted replier: BFS answers solve every maze."""
-    mazes = env.eval_mazes("small", 4)
-    plans = {m.seed: env.solve(m) for m in mazes}
-    episodes = evaluation.play_chat_episodes(mazes, lambda batch: _scripted(batch, mazes, plans),
-                                          visgym.EnvSettings(max_turns=30), progress=False)
+    mazes = [t.maze for t in env.held_out(MazeTask, "small", 4)]
+    plans = {m.seed: solve(m) for m in mazes}
+    episodes = evaluation.play_chat_episodes(env.held_out(MazeTask, "small", 4, max_turns=30),
+                                             lambda batch: _scripted(batch, mazes, plans), progress=False)
     assert all(e.solved and e.end_reason == "stop" and e.reward == 1.0 for e in episodes)
     assert [e.num_turns for e in episodes] == [len(plans[m.seed]) for m in mazes]
     # a replier that always walks into garbage never solves and hits the turn limit
-    episodes = evaluation.play_chat_episodes(mazes, lambda batch: ["no idea"] * len(batch),
-                                          visgym.EnvSettings(max_turns=3), progress=False)
+    episodes = evaluation.play_chat_episodes(env.held_out(MazeTask, "small", 4, max_turns=3),
+                                             lambda batch: ["no idea"] * len(batch), progress=False)
     assert all(not e.solved and e.end_reason == "turn_limit" and e.invalid_actions == 3 for e in episodes)
 
 
@@ -204,10 +204,11 @@ def test_an_episode_is_its_turns_read_the_same_way_by_engine_prompts_and_chat_me
 
     image_pad = 7
     images = [Image.new("RGB", (32, 32), (40 * k, 0, 0)) for k in range(3)]
-    turns = [rollout.Turn(text=f"view {k}", image=images[k], cell=(k, 1), prompt_ids=[10 + k, image_pad],
-                          prompt_ids_text_only=[10 + k], reply_ids=[20 + k], reply_logprobs=[-0.5], reply=f"r{k}")
-             for k in range(3)]
-    episode = rollout.Episode(maze=env.generate_maze(7, seed=1), group_id=0, sample_id=0, turns=turns,
+    maze = generate_maze(7, seed=1)
+    turns = [rollout.Turn(text=f"view {k}", image=images[k], key=(k, 1), snapshot=(k, ((1, 1), ())),
+                          prompt_ids=[10 + k, image_pad], prompt_ids_text_only=[10 + k], reply_ids=[20 + k],
+                          reply_logprobs=[-0.5], reply=f"r{k}") for k in range(3)]
+    episode = rollout.Episode(task=MazeTask.of(maze), group_id=0, sample_id=0, turns=turns,
                               sequences=[rollout.Sequence([k], [1], [-0.5], [images[k]]) for k in range(3)])
     assert episode.prompt(2, None) == ([10, 7, 20, 11, 7, 21, 12, 7], images)  # what asked for reply 2
     assert episode.prompt(2, 1) == ([10, 20, 11, 21, 12, 7], images[2:])
@@ -226,6 +227,7 @@ def test_an_episode_is_its_turns_read_the_same_way_by_engine_prompts_and_chat_me
     assert branch.turns[:2] == turns[:2] and branch.num_turns == 2 and not branch.turns[2].answered
     assert branch.next_prompt(1) == ([10, 20, 11, 21, 12, 7], images[2:])  # waiting for its reply 2
     assert branch.sequences == [] and branch.replies == ["r0", "r1"]  # its own are built once it is played
+    assert branch.task is not episode.task and branch.task.turn == 2  # its own task, at that turn's state
     branch.turns[2].reply = "another"
     assert episode.turns[2].reply == "r2" and episode.replies == ["r0", "r1", "r2"]
 
@@ -239,10 +241,11 @@ def test_training_sequences_are_laid_out_from_the_turns():
     pad = 7
     chat = SimpleNamespace(expand=lambda ids, images: [x for t in ids for x in ([t, t] if t == pad else [t])])
     images = [object() for _ in range(3)]
-    turns = [rollout.Turn(text="", image=images[k], cell=(k, 1), prompt_ids=[10 + k, pad], prompt_ids_text_only=[10 + k],
+    turns = [rollout.Turn(text="", image=images[k], key=(k, 1), prompt_ids=[10 + k, pad], prompt_ids_text_only=[10 + k],
                           reply_ids=[20 + k], reply_logprobs=[-0.1 * (k + 1)], reply=f"r{k}") for k in range(3)]
-    turns.append(rollout.Turn(text="", image=object(), cell=(3, 1), prompt_ids=[13, pad], prompt_ids_text_only=[13]))
-    episode = rollout.Episode(maze=env.generate_maze(7, seed=1), group_id=0, sample_id=0, turns=turns)  # ended unasked
+    turns.append(rollout.Turn(text="", image=object(), key=(3, 1), prompt_ids=[13, pad], prompt_ids_text_only=[13]))
+    episode = rollout.Episode(task=MazeTask.of(generate_maze(7, seed=1)), group_id=0, sample_id=0,
+                              turns=turns)  # ended unasked
     (full,) = rollout.training_sequences(episode, chat, None)
     assert full.token_ids == [10, 7, 7, 20, 11, 7, 7, 21, 12, 7, 7, 22] and full.images == images
     assert full.response_mask == [0, 0, 0, 1] * 3
@@ -258,7 +261,7 @@ def test_training_sequences_are_laid_out_from_the_turns():
 
 def _scripted(batch, mazes, plans):
     """Answer each conversation from its maze's BFS plan (the maze is found by its first image)."""
-    first_images = {evaluation.image_url(env.render(m, m.start)): m.seed for m in mazes}
+    first_images = {evaluation.image_url(render(m, m.start)): m.seed for m in mazes}
     replies = []
     for conv in batch:
         seed = first_images[conv[0]["content"][0]["image_url"]["url"]]
@@ -443,10 +446,13 @@ def test_the_policy_probe_measures_how_far_the_first_move_moved(engine, warm_sta
     nearly exact), the same policy twice moved by 0, and a known change gives its KL and its
     flipped argmax."""
     _, chat = _chat(warm_start)
-    probe = evaluation.PolicyProbe(chat, env.eval_mazes("small", 4), visgym.EnvSettings(), top=20)
+    held_out = env.held_out(MazeTask, "small", 4)
+    probe = evaluation.PolicyProbe(chat, held_out, top=20)
     assert probe.measure(engine, None) == {}  # nothing before the first
-    reply_ids, answer_id = chat.reply_tokens()
-    moves = {ids[ids.index(answer_id) + 1] for ids in reply_ids.values()}  # the token after <answer>
+    answer_id = chat.action_prefix(held_out[0])[-1]
+    assert chat.tokenizer.decode([answer_id]) == "<answer>"  # where the maze's actions part
+    reply_ids = [chat.reply_ids(held_out[0], a) for a in held_out[0].actions]
+    moves = {ids[ids.index(answer_id) + 1] for ids in reply_ids}  # the token after <answer>
     assert all(max(d, key=d.get) in moves for d in probe.previous)
     assert all(sum(d.values()) > 0.99 for d in probe.previous)
     assert probe.measure(engine, None) == {"probe_kl": pytest.approx(0, abs=1e-9), "probe_flip_frac": 0}

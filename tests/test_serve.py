@@ -25,7 +25,7 @@ import env
 import evaluation
 import rollout
 import serve
-import visgym
+from tasks.maze import INSTRUCTIONS, MazeTask
 from tiny_model import random_lora
 
 
@@ -83,9 +83,9 @@ class Client:
 def first_turns(n: int) -> list:
     """The opening conversation of the first n eval mazes (instructions + image)."""
     conversations = []
-    for maze in env.eval_mazes("small", n):
-        obs = env.MazeEnv(maze).reset()
-        conversations.append([evaluation.chat_user_message(env.INSTRUCTIONS + "\n" + obs.text, obs.image)])
+    for game in env.held_out(MazeTask, "small", n):
+        obs = game.reset()
+        conversations.append([evaluation.chat_user_message(INSTRUCTIONS + "\n" + obs.text, obs.image)])
     return conversations
 
 
@@ -198,9 +198,9 @@ def test_trainer_export_replays_the_trainer_eval(server, base, trained_run):
         assert ours[0] != theirs[0] or abs(sum(ours[1]) - sum(theirs[1])) > 1e-4, "the adapter served as the base"
     result = serve.evaluate(server.url, model, **EVAL, api_key=API_KEY, progress=False)
     assert (result["solved"], result["total"]) == (logged["solved"], logged["total"])
-    for ours, theirs in zip(result["mazes"], logged["mazes"]):  # every maze, every turn
-        assert ours["replies"] == theirs["replies"], f"maze {ours['maze_index']}"
-    assert result["mazes"] == logged["mazes"]
+    for ours, theirs in zip(result["puzzles"], logged["puzzles"]):  # every maze, every turn
+        assert ours["replies"] == theirs["replies"], f"maze {ours['index']}"
+    assert result["puzzles"] == logged["puzzles"]
     assert model in {m["id"] for m in server.request("/v1/models", method="GET")[1]["data"]}
 
 
@@ -211,12 +211,12 @@ def test_eval_over_http_matches_the_in_process_eval(server, base, adapter_root, 
     # what evaluation.evaluate_run does, for an adapter that changes the replies
     banned = rollout.ChatFormat(AutoProcessor.from_pretrained(warm_start), []).banned_token_ids
     offline = evaluation.play_chat_episodes(
-        env.eval_mazes("small", 8), evaluation.engine_replies(engine, offline_adapter(adapter_root, "a"), 8, banned),
-        visgym.EnvSettings(max_turns=15), progress=False)
+        env.held_out(MazeTask, "small", 8), evaluation.engine_replies(engine, offline_adapter(adapter_root, "a"), 8, banned),
+        progress=False)
     served = serve.evaluate(server.url, f"{base}:a", **EVAL, api_key=API_KEY, progress=False)
-    assert [row["replies"] for row in served["mazes"]] == [e.replies for e in offline]
-    base_rows = json.loads((trained_run / "eval" / "step_4.json").read_text())["mazes"]
-    assert [row["replies"] for row in served["mazes"]] != [row["replies"] for row in base_rows]
+    assert [row["replies"] for row in served["puzzles"]] == [e.replies for e in offline]
+    base_rows = json.loads((trained_run / "eval" / "step_4.json").read_text())["puzzles"]
+    assert [row["replies"] for row in served["puzzles"]] != [row["replies"] for row in base_rows]
 
 
 @pytest.mark.slow
@@ -271,10 +271,9 @@ def test_64_concurrent_requests_are_all_answered(server, base, adapter_root, eng
 def long_conversations(n: int, turns: int) -> list:
     """n conversations of `turns` moves each: one image per user turn, hundreds of tokens."""
     conversations = []
-    for maze in env.eval_mazes("small", n):
-        game = env.MazeEnv(maze, max_turns=turns + 1)
+    for game in env.held_out(MazeTask, "small", n, max_turns=turns + 1):
         obs = game.reset()
-        conversation = [evaluation.chat_user_message(env.INSTRUCTIONS + "\n" + obs.text, obs.image)]
+        conversation = [evaluation.chat_user_message(INSTRUCTIONS + "\n" + obs.text, obs.image)]
         for _ in range(turns):
             obs = game.step("<answer>('move', 0)</answer>")
             conversation += [{"role": "assistant", "content": "<answer>('move', 0)</answer>"},

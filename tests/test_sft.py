@@ -12,8 +12,8 @@ from transformers import AutoProcessor, GenerationConfig
 import env
 import rollout
 import sft
-import visgym
 from conftest import masked_segments
+from tasks.maze import ACTION_STRINGS, MazeTask, eval_mazes, generate_maze, render, solve
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -22,16 +22,15 @@ def _setup(tiny_model):
     processor = AutoProcessor.from_pretrained(tiny_model)
     eos = GenerationConfig.from_pretrained(tiny_model).eos_token_id
     chat = rollout.ChatFormat(processor, eos)
-    replies = {a: chat._ids(f"<answer>{a}</answer>") + [eos[0]] for a in env.ACTION_STRINGS}
+    replies = {a: chat._ids(f"<answer>{a}</answer>") + [eos[0]] for a in ACTION_STRINGS}
     return processor, chat, replies
 
 
 def test_demonstrations_train_only_on_replies(tiny_model):
     processor, chat, replies = _setup(tiny_model)
-    maze = env.generate_maze(7, seed=1_000_123)
-    plan = env.solve(maze)
-    seqs = sft.demonstration(maze, chat, replies, random.Random(0), visgym.EnvSettings(max_turns=30),
-                             max_images=1, noise=0.0)
+    maze = generate_maze(7, seed=1_000_123)
+    plan = solve(maze)
+    seqs = sft.demonstration(MazeTask.of(maze, max_turns=30), chat, random.Random(0), max_images=1, noise=0.0)
     assert len(seqs) == len(plan)  # one sequence per turn with the last-image policy
     for seq, action in zip(seqs, plan):
         assert masked_segments(seq) == [replies[action]]  # exactly the reply, nothing else
@@ -39,24 +38,22 @@ def test_demonstrations_train_only_on_replies(tiny_model):
         assert len(seq.images) == 1
         assert seq.token_ids.count(processor.image_token_id) == chat.image_tokens(seq.images[0])
 
-    full = sft.demonstration(maze, chat, replies, random.Random(0), visgym.EnvSettings(max_turns=30),
-                             max_images=None, noise=0.0)
+    full = sft.demonstration(MazeTask.of(maze, max_turns=30), chat, random.Random(0), max_images=None, noise=0.0)
     assert len(full) == 1 and len(full[0].images) == len(plan)  # full history: one sequence
     assert masked_segments(full[0]) == [replies[a] for a in plan]
 
 
 def test_noisy_turns_are_context_not_targets(tiny_model):
     _, chat, replies = _setup(tiny_model)
-    maze = env.generate_maze(7, seed=1_000_456)
-    seqs = sft.demonstration(maze, chat, replies, random.Random(3), visgym.EnvSettings(max_turns=15),
-                             max_images=1, noise=0.5)
+    maze = generate_maze(7, seed=1_000_456)
+    seqs = sft.demonstration(MazeTask.of(maze, max_turns=15), chat, random.Random(3), max_images=1, noise=0.5)
     # every trained reply is the BFS move from the state its image shows
     for seq in seqs:
         (target,) = masked_segments(seq)
         action = next(a for a, ids in replies.items() if ids == target)
         agent = next((r, c) for r in range(maze.size) for c in range(maze.size)
-                     if env.render(maze, (r, c)).tobytes() == seq.images[0].tobytes())
-        assert action == env.solve(maze, start=agent)[0]
+                     if render(maze, (r, c)).tobytes() == seq.images[0].tobytes())
+        assert action == solve(maze, start=agent)[0]
 
 
 def test_detours_leave_the_path_for_several_moves(tiny_model):
@@ -64,9 +61,9 @@ def test_detours_leave_the_path_for_several_moves(tiny_model):
     answer_id = chat._ids("<answer>")[0]
     longest = 0
     for seed in range(5):
-        maze = env.generate_maze(7, seed=1_000_100 + seed)
-        (seq,) = sft.demonstration(maze, chat, replies, random.Random(seed), visgym.EnvSettings(max_turns=15),
-                                   max_images=None, noise=0.5, max_detour=3)
+        maze = generate_maze(7, seed=1_000_100 + seed)
+        (seq,) = sft.demonstration(MazeTask.of(maze, max_turns=15), chat, random.Random(seed), max_images=None,
+                                   noise=0.5, max_detour=3)
         # one entry per reply: was it trained on? (the token after <answer> is the action)
         trained = [seq.response_mask[i + 1] for i, t in enumerate(seq.token_ids) if t == answer_id]
         run = 0
@@ -88,7 +85,7 @@ def test_sft_then_grpo_smoke_in_the_visgym_style(tmp_path, tiny_model):
 
     sft_out = tmp_path / "sft"
     proc = subprocess.run([sys.executable, "sft.py", "--out", str(sft_out), "--steps", "3", "--batch-size", "8",
-                           "--log-every", "1", "--env-style", "visgym", "--difficulty", "easy", "--lora-rank", "4",
+                           "--log-every", "1", "--task", "visgym-maze", "--difficulty", "easy", "--lora-rank", "4",
                            "--warmup", "0", "--lr", "1e-2", "--save-every", "2"],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -112,15 +109,15 @@ def test_sft_then_grpo_smoke_in_the_visgym_style(tmp_path, tiny_model):
     run = tmp_path / "grpo"
     proc = subprocess.run([sys.executable, "train.py", "--model", str(sft_out / "model"), "--out-dir", str(run),
                            "--steps", "1", "--prompts-per-step", "2", "--group-size", "2", "--max-turns", "3",
-                           "--max-new-tokens", "6", "--eval-mazes", "4", "--sampled-eval-samples", "0", "--max-images", "1",
-                           "--env-style", "visgym", "--difficulty", "easy", "--progress", "false"],
+                           "--max-new-tokens", "6", "--eval-puzzles", "4", "--sampled-eval-samples", "0", "--max-images", "1",
+                           "--task", "visgym-maze", "--difficulty", "easy", "--progress", "false"],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads((run / "eval" / "step_1.json").read_text())
-    assert result["env_style"] == "visgym" and (run / "adapters" / "step_1").exists()
+    assert result["task"] == "visgym-maze" and (run / "adapters" / "step_1").exists()
     # the mazes played are VisGym's own for seeds 0..3
-    assert [m["seed"] for m in result["mazes"]] == [0, 1, 2, 3]
-    assert json.loads((run / "config.json").read_text())["env_style"] == "visgym"
+    assert [m["seed"] for m in result["puzzles"]] == [0, 1, 2, 3]
+    assert json.loads((run / "config.json").read_text())["task"] == "visgym-maze"
 
 
 def test_action_hits_count_one_action_token_per_trained_reply(tiny_model):
@@ -129,9 +126,8 @@ def test_action_hits_count_one_action_token_per_trained_reply(tiny_model):
     from policy import Batch
 
     processor, chat, replies = _setup(tiny_model)
-    maze = env.generate_maze(7, seed=1_000_789)
-    (seq,) = sft.demonstration(maze, chat, replies, random.Random(1), visgym.EnvSettings(max_turns=15),
-                               max_images=None, noise=0.3)
+    maze = generate_maze(7, seed=1_000_789)
+    (seq,) = sft.demonstration(MazeTask.of(maze, max_turns=15), chat, random.Random(1), max_images=None, noise=0.3)
     inputs, mask, _ = Batch([seq], processor).micro([0], torch.device("cpu"))
     targets = inputs["input_ids"][:, 1:]
     answer_id = chat._ids("<answer>")[0]
@@ -143,11 +139,11 @@ def test_action_hits_count_one_action_token_per_trained_reply(tiny_model):
 
 
 def test_mixed_sizes_take_turns_and_skip_evaluation_layouts():
-    streams, mazes = sft.training_mazes(["small", "easy"])
-    drawn = [next(mazes) for _ in range(40)]
+    streams, puzzles = sft.training_tasks(MazeTask, ["small", "easy"], 15)
+    drawn = [next(puzzles).maze for _ in range(40)]
     assert [m.size for m in drawn] == [7, 9] * 20
     for size, difficulty in ((7, "small"), (9, "easy")):
-        eval_keys = {m.layout_key() for m in env.eval_mazes(difficulty, 64)}
+        eval_keys = {m.layout_key() for m in eval_mazes(difficulty, 64)}
         assert not any(m.layout_key() in eval_keys for m in drawn if m.size == size)
     assert [s.position for s in streams] >= [20, 20]  # skipped seeds are counted too
 

@@ -6,7 +6,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoConfig, AutoProcessor, Qwen3VLForConditionalGeneration
 
-import env
+import tasks.maze as maze_task
 import vllm_engine
 
 
@@ -42,7 +42,7 @@ def test_build_is_deterministic(tmp_path, tiny_model):
 def test_cell_targets_describe_the_picture():
     from tiny_model import PERCEPTION_TARGETS, cell_targets
 
-    maze = env.generate_maze(7, seed=3)
+    maze = maze_task.generate_maze(7, seed=3)
     agent = next(c for c in [(3, 3), (1, 3), (3, 1)] if maze.is_open(c))
     targets = cell_targets(maze, agent)
     assert targets.shape == (49, len(PERCEPTION_TARGETS))
@@ -53,7 +53,7 @@ def test_cell_targets_describe_the_picture():
     assert row_major[int(column["goal"].argmax())] == maze.goal and column["goal"].sum() == 1
     r, c = agent
     for d, name in enumerate(["right open", "up open", "left open", "down open"]):
-        dr, dc = env.MOVE_DELTAS[d]
+        dr, dc = maze_task.MOVE_DELTAS[d]
         assert bool(column[name][r * 7 + c]) == maze.is_open((r + dr, c + dc))
     assert column["up open"][0] == 0  # beyond the border counts as closed
 
@@ -70,7 +70,7 @@ def test_pretrained_vision_tower_sees_the_agents_neighbours(tiny_model):
 
 def test_actions_are_single_tokens(tiny_model):
     tok = AutoProcessor.from_pretrained(tiny_model).tokenizer
-    for action in env.ACTION_STRINGS:
+    for action in maze_task.ACTION_STRINGS:
         ids = tok(f"<answer>{action}</answer>", add_special_tokens=False)["input_ids"]
         assert len(ids) == 3
         assert tok.decode(ids) == f"<answer>{action}</answer>"
@@ -79,9 +79,9 @@ def test_actions_are_single_tokens(tiny_model):
 def test_transformers_forward_with_a_maze_image(tiny_model):
     processor = AutoProcessor.from_pretrained(tiny_model)
     model = Qwen3VLForConditionalGeneration.from_pretrained(tiny_model, dtype=torch.float32)
-    maze = env.generate_maze(7, seed=0)
-    image = env.render(maze, maze.start)
-    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": env.INSTRUCTIONS}]}]
+    maze = maze_task.generate_maze(7, seed=0)
+    image = maze_task.render(maze, maze.start)
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": maze_task.INSTRUCTIONS}]}]
     text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     batch = processor(text=[text], images=[image], return_tensors="pt")
     # 7x7 cells of 32 px -> 14x14 patches of 16 px -> 7x7 merged tokens: one token per cell
@@ -94,11 +94,11 @@ def test_transformers_forward_with_a_maze_image(tiny_model):
 
 def _first_turn(tiny_model):
     processor = AutoProcessor.from_pretrained(tiny_model)
-    maze = env.generate_maze(7, seed=3)
-    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": env.INSTRUCTIONS}]}]
+    maze = maze_task.generate_maze(7, seed=3)
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": maze_task.INSTRUCTIONS}]}]
     text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     ids = processor.tokenizer(text, add_special_tokens=False)["input_ids"]
-    return {"prompt_token_ids": ids, "multi_modal_data": {"image": [env.render(maze, maze.start)]}}
+    return {"prompt_token_ids": ids, "multi_modal_data": {"image": [maze_task.render(maze, maze.start)]}}
 
 
 def test_untrained_vision_tower_tells_walls_from_paths(tiny_model):
@@ -109,9 +109,9 @@ def test_untrained_vision_tower_tells_walls_from_paths(tiny_model):
     processor = AutoProcessor.from_pretrained(tiny_model)
     torch.manual_seed(0)
     model = Qwen3VLForConditionalGeneration._from_config(AutoConfig.from_pretrained(tiny_model)).eval()
-    maze = env.generate_maze(7, seed=3)
+    maze = maze_task.generate_maze(7, seed=3)
     agent = next(c for c in [(3, 3), (1, 3), (3, 1)] if maze.is_open(c) and c != maze.goal)
-    pixels = processor.image_processor(images=[env.render(maze, agent)], return_tensors="pt")
+    pixels = processor.image_processor(images=[maze_task.render(maze, agent)], return_tensors="pt")
     with torch.no_grad():
         tokens = model.model.visual(pixels["pixel_values"], grid_thw=pixels["image_grid_thw"]).pooler_output
     tokens = torch.nn.functional.normalize(tokens, dim=-1)  # one token per cell, row-major
@@ -182,10 +182,10 @@ def test_default_build_keeps_its_fingerprint_beside_the_visgym_task():
 def test_visgym_processor_gives_one_token_per_25px_cell():
     """A 225 px VisGym frame (9x9 cells of 25 px) becomes 288 px, 18x18 patches, 9x9 merged
     tokens; the default processor rounds it down to 224 px, 7x7 tokens for 81 cells."""
-    import visgym
+    import tasks.visgym_maze as visgym
     from tiny_model import build_image_processor
 
-    maze = env.generate_maze_visgym(9, 0)
+    maze = maze_task.generate_maze_visgym(9, 0)
     frame = visgym.render_visgym(maze, maze.start)
     assert frame.size == (225, 225)
     assert build_image_processor("visgym")(images=[frame], return_tensors="pt")["image_grid_thw"].tolist() == [[1, 18, 18]]
@@ -221,7 +221,9 @@ def test_visgym_perception_targets_line_up_with_the_tokens():
     the target shows VisGym's white hole inside its red border."""
     from tiny_model import PERCEPTION_TARGETS, build_image_processor, perception_batch
 
-    mazes = env.eval_mazes("easy", 4, style="visgym")
+    from tasks.visgym_maze import VisGymMazeTask
+
+    mazes = maze_task.eval_mazes("easy", 4, VisGymMazeTask)
     pixels, grid, targets = perception_batch(mazes, build_image_processor("visgym"), _AlwaysVacate(0), "visgym")
     assert grid.tolist() == [[1, 18, 18]] * len(mazes) and len(targets) == 81 * len(mazes)
     blocks = _token_blocks(pixels, len(targets))
@@ -243,7 +245,7 @@ def test_visgym_perception_targets_line_up_with_the_tokens():
 def test_visgym_build_is_saved_with_its_resize(tmp_path):
     """The saved directory is what rollouts load (AutoProcessor): 81 image tokens for a VisGym
     easy frame, and BUILD_INFO names the task."""
-    import visgym
+    import tasks.visgym_maze as visgym
     from tiny_model import build, fingerprint
 
     out = build(tmp_path / "visgym", seed=0, vision_steps=2, progress=False, task="visgym")
@@ -251,7 +253,7 @@ def test_visgym_build_is_saved_with_its_resize(tmp_path):
     assert info["task"] == "visgym" and info["fingerprint"] == fingerprint(0, 2, task="visgym")
     assert set(info["vision_heldout_accuracy"]) == {"easy"}
     processor = AutoProcessor.from_pretrained(out)
-    maze = env.generate_maze_visgym(9, 1)
+    maze = maze_task.generate_maze_visgym(9, 1)
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "go"}]}]
     text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     batch = processor(text=[text], images=[visgym.render_visgym(maze, maze.start)], return_tensors="pt")

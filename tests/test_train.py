@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 import env
+from tasks.maze import MazeTask
 import evaluation
 import update
 import train
@@ -69,7 +70,7 @@ def test_resume_is_exact_with_real_updates(tmp_path, short_run, warm_start):
     final = straight / "checkpoints" / "step_4"
     assert lora_b_norm(final / "adapter_model.safetensors") > 1e-3  # PEFT starts B at exactly 0
     for x, y in zip(a, b):
-        assert x["maze_seeds"] == y["maze_seeds"] and x["stream_position"] == y["stream_position"]
+        assert x["seeds"] == y["seeds"] and x["stream_position"] == y["stream_position"]
         for key in ("reward_mean", "generated_tokens", "episode_turns", "grad_norm", "lr", "pg_loss",
                     "branch_points", "branch_targets", "branch_generated_tokens"):
             assert x[key] == pytest.approx(y[key], rel=1e-5, abs=1e-7), (x["step"], key)
@@ -106,7 +107,7 @@ def test_resume_is_exact_with_real_updates(tmp_path, short_run, warm_start):
 
     # what a run writes
     evals = json.loads((straight / "eval" / "step_4.json").read_text())
-    assert evals["total"] == 8 == len(evals["mazes"]) and evals["fitting"] == 8
+    assert evals["total"] == 8 == len(evals["puzzles"]) and evals["fitting"] == 8
     # what it played: this run's id, the adapter synced after step 4, the base
     run = json.loads((straight / "run.json").read_text())
     assert evals["run_id"] == run["run_id"] and evals["adapter"] == str(straight / "shared" / "average" / "step_4")
@@ -174,10 +175,10 @@ def test_an_evaluation_plays_the_first_training_mazes_too_and_samples_at_its_own
     if ours:
         dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
     try:
-        cfg = train.Config(eval_mazes=2, sampled_eval_samples=2, temperature=0.5, sampled_eval_temperature=0.8,
+        cfg = train.Config(eval_puzzles=2, sampled_eval_samples=2, temperature=0.5, sampled_eval_temperature=0.8,
                            max_turns=3, max_new_tokens=8, progress=False)
         result = evaluation.evaluate_run(cfg, RecordingEngine(), rollout.ChatFormat.for_model(str(warm_start)), None, 0,
-                                         tmp_path)
+                                         tmp_path, MazeTask)
     finally:
         if ours:
             dist.destroy_process_group()
@@ -185,11 +186,11 @@ def test_an_evaluation_plays_the_first_training_mazes_too_and_samples_at_its_own
     assert 0.0 <= result["sampled_solve_rate"] <= 1.0
     saved = json.loads((tmp_path / "eval" / "step_0.json").read_text())
     assert saved["sampled_temperature"] == 0.8 and saved["solved"] == result["solved"]
-    assert [r["seed"] for r in saved["mazes"]] == [0, 1]
-    stream = env.TrainMazeStream("small", eval_n=2)  # the trainer's, as train.main makes it
-    assert [r["seed"] for r in saved["training_mazes"]["mazes"]] == [stream.next().seed, stream.next().seed]
-    assert saved["training_mazes"]["total"] == 2 and saved["training_mazes"]["solved"] == sum(
-        r["solved"] for r in saved["training_mazes"]["mazes"])
+    assert [r["seed"] for r in saved["puzzles"]] == [0, 1]
+    stream = env.TrainingStream(MazeTask, "small", eval_n=2)  # the trainer's, as train.main makes it
+    assert [r["seed"] for r in saved["training_puzzles"]["puzzles"]] == [stream.next().seed, stream.next().seed]
+    assert saved["training_puzzles"]["total"] == 2 and saved["training_puzzles"]["solved"] == sum(
+        r["solved"] for r in saved["training_puzzles"]["puzzles"])
 
 
 # ----------------------------------------------------------------------------- configuration

@@ -27,7 +27,7 @@ import policy  # noqa: E402
 import update  # noqa: E402
 import sft  # noqa: E402
 import train  # noqa: E402
-import visgym  # noqa: E402
+from tasks.maze import MazeTask  # noqa: E402
 
 
 def main(model_dir: str, out: str):
@@ -56,23 +56,22 @@ def main(model_dir: str, out: str):
             else:
                 p.add_(full)
     chat = rollout.ChatFormat.for_model(model_dir)
-    reply_ids, _ = chat.reply_tokens()
-    stream = env.TrainMazeStream("small")
-    mazes = [stream.next() for _ in range(4)]
+    stream = env.TrainingStream(MazeTask, "small")
+    mazes = [stream.next().maze for _ in range(4)]
     rewards = [1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0, 1.0]  # group 2 all solved: advantage 0
     episodes = []
     for i in range(8):  # episode i: group i // 2, member i % 2
         maze = mazes[i // 2]
-        e = rollout.Episode(maze=maze, group_id=i // 2, sample_id=i)
         # lengths that differ between the ranks' halves (rank 0 gets groups 0 and 1), so that
         # normalising by a rank's own token count instead of the global one changes the gradient
-        settings = visgym.EnvSettings(max_turns=4 + 2 * (i % 2) + i // 2, cell_px=env.CELL_PX_TINY)
-        e.sequences = sft.demonstration(maze, chat, reply_ids, random.Random(i), settings, max_images=None, noise=0.5)
+        task = MazeTask.of(maze, max_turns=4 + 2 * (i % 2) + i // 2)
+        e = rollout.Episode(task=task, group_id=i // 2, sample_id=i)
+        e.sequences = sft.demonstration(task, chat, random.Random(i), max_images=None, noise=0.5)
         # a made-up sampling logprob per reply token, so truncated importance sampling has work to do
         lp = torch.Generator().manual_seed(100 + i)
         for s in e.sequences:
             s.rollout_logprobs = [(-0.1 * torch.rand(1, generator=lp).item()) if m else 0.0 for m in s.response_mask]
-        e.turns = [rollout.Turn(text="", image=None, cell=maze.start, reply_ids=[], reply="x")
+        e.turns = [rollout.Turn(text="", image=None, key=maze.start, reply_ids=[], reply="x")
                    for _ in range(grpo.reply_count(e.sequences[0].response_mask))]
         e.reward = rewards[i]
         episodes.append(e)

@@ -1,10 +1,10 @@
-"""VisGym's maze_2d as its harness runs it: the drawing, texts and reply parsing, built on env.py.
+"""VisGym's maze_2d as its harness runs it (--task visgym-maze): the drawing, texts and reply parsing.
 
-`VisGymMazeEnv` is env.MazeEnv with VisGym's presentation: 25 px cells drawn the way pygame draws
+`VisGymMazeTask` is tasks.maze.MazeTask with VisGym's presentation: 25 px cells drawn the way pygame draws
 them (the canvas leaves a white hole in the target once the agent has left it), VisGym's prompt,
 feedback and per-step budget text, and its parser (the last Python-literal tuple anywhere in the
-reply). The rules and the strict reward stay env.py's, and so do the mazes:
-env.generate_maze_visgym gives VisGym's maze for a seed. Everything is checked against facts
+reply). The rules and the strict reward stay MazeTask's, and so does the maze core:
+tasks.maze.generate_maze_visgym gives VisGym's maze for a seed. Everything is checked against facts
 recorded from VisGym's own code (tests/data/visgym_maze2d.json, tests/test_visgym.py).
 
 The 25 px cells do not line up with the default tiny model's 32 px merged patches (16 px patch x
@@ -20,11 +20,10 @@ SkyRL's shaped reward for its VisGym recipe is here too, for comparison only.
 
 import ast
 import re
-from dataclasses import dataclass
-
 from PIL import Image, ImageDraw
 
-from env import AGENT_RGB, CELL_PX_VISGYM, GOAL_RGB, MAZE_STYLES, PATH_RGB, WALL_RGB, Maze, MazeEnv
+from tasks.maze import (AGENT_RGB, CELL_PX_VISGYM, GOAL_RGB, PATH_RGB, WALL_RGB, Maze, MazeTask, action_string,
+                        generate_maze_visgym)
 
 
 def _visgym_disc(cell, cell_px: int) -> list:
@@ -198,55 +197,36 @@ def parse_action_visgym(reply: str, verbalize: bool = False):
 # -----------------------------------------------------------------------------
 # the environment in VisGym's style
 
-class VisGymMazeEnv(MazeEnv):
-    """env.MazeEnv with VisGym's presentation (see the module docstring); `verbalize` adds its
-    <think>/<answer> request to the prompt and reads the first <answer> block."""
+class VisGymMazeTask(MazeTask):
+    """MazeTask with VisGym's mazes and presentation (see the module docstring); `verbalize` adds
+    its <think>/<answer> request to the prompt and reads the first <answer> block."""
 
-    default_cell_px = CELL_PX_VISGYM
+    name = "visgym-maze"
+    cell_px = CELL_PX_VISGYM
+    generate = staticmethod(generate_maze_visgym)
 
-    def __init__(self, maze: Maze, max_turns: int = 15, cell_px: int | None = None, verbalize: bool = False):
+    def __init__(self, level: str, seed: int, max_turns: int = 15, maze: Maze | None = None, verbalize: bool = False):
+        super().__init__(level, seed, max_turns, maze=maze)
         self.verbalize = verbalize
-        self.instructions = visgym_prompt(maze.size, verbalize)
-        super().__init__(maze, max_turns, cell_px)
+        self.instructions = visgym_prompt(self.maze.size, verbalize)
 
-    def read_action(self, text: str):
-        return parse_action_visgym(text, self.verbalize)
+    def parse(self, reply: str):
+        action = parse_action_visgym(reply, self.verbalize)[0]
+        return None if action is None else action_string(action)
 
-    def feedback(self, outcome: str, said: str) -> str:
-        return said  # VisGym says VISGYM_DONE for every executed move and stop
+    def invalid_feedback(self, reply: str) -> str:
+        return parse_action_visgym(reply, self.verbalize)[1]
 
-    def draw(self) -> Image.Image:
+    def describe(self, outcome: str) -> str:
+        return VISGYM_DONE  # VisGym says this for every executed move and stop
+
+    def render(self) -> Image.Image:
         return render_visgym(self.maze, self.agent, self.cell_px, self.vacated)
 
-    def turn_text(self, feedback: str) -> str:
+    def text(self, feedback: str) -> str:
         if self.done:  # no budget line once the episode is over: VisGym's harness asks nothing more
             return f"Environment feedback: {feedback}"
         return visgym_step_text(self.turn, self.max_turns, feedback if self.turn else None)
-
-
-def make_env(maze: Maze, style: str = "ours", max_turns: int = 15, cell_px: int | None = None) -> MazeEnv:
-    """The environment of a style by its name (--env-style): ours (env.MazeEnv) or VisGym's."""
-    if style not in MAZE_STYLES:
-        raise ValueError(f"unknown style {style!r}; choose one of {list(MAZE_STYLES)}")
-    return (VisGymMazeEnv if style == "visgym" else MazeEnv)(maze, max_turns=max_turns, cell_px=cell_px)
-
-
-@dataclass(frozen=True)
-class EnvSettings:
-    """How every episode of a run is played, as one record: the env's style (ours or VisGym's),
-    its turn limit and its cell size in pixels (0: the style's own). Rollouts, evaluations and
-    SFT demonstrations each take one of these and make their envs from it."""
-    style: str = "ours"
-    max_turns: int = 15
-    cell_px: int = 0
-
-    @classmethod
-    def of(cls, cfg) -> "EnvSettings":
-        """The settings of a run's Config (or of a script's arguments with the same names)."""
-        return cls(style=cfg.env_style, max_turns=cfg.max_turns, cell_px=cfg.cell_px)
-
-    def make(self, maze: Maze) -> MazeEnv:
-        return make_env(maze, self.style, max_turns=self.max_turns, cell_px=self.cell_px or None)
 
 
 # -----------------------------------------------------------------------------

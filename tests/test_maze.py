@@ -1,4 +1,4 @@
-"""Tests of env.py: maze generation, solving, parsing, rendering, episodes, and maze datasets."""
+"""Tests of tasks/maze.py: maze generation, solving, parsing, rendering, episodes, and its held-out split."""
 
 import sys
 from collections import deque
@@ -8,10 +8,28 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import env  # noqa: E402
-from env import (  # noqa: E402
-    ACTION_STRINGS, DIFFICULTY_SIZES, Maze, MazeEnv, TrainMazeStream,
-    eval_mazes, first_training_mazes, generate_maze, parse_action, render, solve,
+import tasks.maze as maze_task  # noqa: E402
+from tasks.maze import (  # noqa: E402
+    ACTION_STRINGS, DIFFICULTY_SIZES, Maze, MazeTask,
+    eval_mazes, generate_maze, parse_action, render, solve, training_mazes,
 )
+
+
+def MazeEnv(maze, max_turns=15):
+    """The maze task on a given maze, reset (what the episode tests play)."""
+    game = MazeTask.of(maze, max_turns=max_turns)
+    game.reset()
+    return game
+
+
+class TrainMazeStream(env.TrainingStream):
+    """The maze's training stream, giving its Maze objects (env.TrainingStream gives tasks)."""
+
+    def __init__(self, difficulty, **kwargs):
+        super().__init__(MazeTask, difficulty, **kwargs)
+
+    def next(self):
+        return super().next().maze
 
 
 def bfs_distances(maze, source):
@@ -108,7 +126,7 @@ def test_solver_path_is_shortest_and_reaches_the_goal(difficulty):
         game = MazeEnv(maze, max_turns=len(actions))
         for a in actions:
             obs = game.step(a)
-            assert obs.valid and not obs.bumped and obs.feedback != env.WALL_FEEDBACK
+            assert obs.valid and not obs.no_effect and obs.feedback != maze_task.WALL_FEEDBACK
         assert obs.done and obs.reward == 1.0 and game.solved and game.end_reason == "stop"
 
 
@@ -123,7 +141,7 @@ def test_solver_from_another_cell():
 
 def test_goal_distances_match_the_solver_from_every_cell():
     maze = generate_maze(7, 3)
-    distances = env.goal_distances(maze)
+    distances = maze_task.goal_distances(maze)
     assert set(distances) == set(open_cells(maze))  # a perfect maze: every open cell reaches the goal
     for cell, d in distances.items():
         assert d == len(solve(maze, start=cell)) - 1
@@ -171,7 +189,7 @@ def test_invalid_replies_return_none(text):
 # -----------------------------------------------------------------------------
 # rendering
 
-@pytest.mark.parametrize("cell_px", [env.CELL_PX_TINY, env.CELL_PX_VISGYM])
+@pytest.mark.parametrize("cell_px", [maze_task.CELL_PX_TINY, maze_task.CELL_PX_VISGYM])
 def test_render_colours_at_known_pixels(cell_px):
     maze = generate_maze(9, 1)
     image = render(maze, maze.start, cell_px)
@@ -226,9 +244,9 @@ def test_wall_feedback_and_no_movement():
     maze = generate_maze(9, 0)
     game = MazeEnv(maze)
     r, c = maze.start
-    blocked = next(d for d, (dr, dc) in env.MOVE_DELTAS.items() if maze.walls[r + dr][c + dc])
+    blocked = next(d for d, (dr, dc) in maze_task.MOVE_DELTAS.items() if maze.walls[r + dr][c + dc])
     obs = game.step(f"<answer>('move', {blocked})</answer>")
-    assert obs.feedback == "Cannot move into a wall." and obs.valid and obs.bumped
+    assert obs.feedback == "Cannot move into a wall." and obs.valid and obs.no_effect
     assert game.agent == maze.start and game.turn == 1 and not obs.done
     assert obs.text == "This is step 1. Cannot move into a wall."
 
@@ -240,7 +258,7 @@ def test_valid_move_feedback_and_observation_text():
     assert first.text == "This is step 0." and first.valid and not first.done and first.feedback == ""
     first_action = solve(maze)[0]
     obs = game.step(first_action)
-    name = env.MOVE_NAMES[parse_action(first_action)[1]]
+    name = maze_task.MOVE_NAMES[parse_action(first_action)[1]]
     assert obs.feedback == f"Moved {name}." and obs.text == f"This is step 1. Moved {name}."
     assert game.agent != maze.start
 
@@ -250,7 +268,7 @@ def test_invalid_actions_consume_a_turn_and_never_raise():
     game = MazeEnv(maze, max_turns=4)
     for text in ["garbage", "x" * 10**6, "<answer>('move', 7)</answer>"]:
         obs = game.step(text)
-        assert not obs.valid and obs.reward == 0.0 and obs.feedback == env.INVALID_FEEDBACK
+        assert not obs.valid and obs.reward == 0.0 and obs.feedback == maze_task.INVALID_FEEDBACK
         assert game.agent == maze.start
     assert game.turn == 3 and not game.done
 
@@ -293,7 +311,7 @@ def test_eval_mazes_are_seeds_zero_to_n():
     mazes = eval_mazes("easy", 8)
     assert [m.seed for m in mazes] == list(range(8))
     assert mazes == [generate_maze(9, s) for s in range(8)]
-    with pytest.raises(ValueError, match="unknown difficulty"):
+    with pytest.raises(ValueError, match="unknown level"):
         eval_mazes("impossible")
 
 
@@ -313,7 +331,7 @@ def test_stream_resumes_exactly():
     for _ in range(100):
         stream.next()
     state = stream.state_dict()
-    assert state == {"difficulty": "small", "eval_n": 64, "pool": 0, "position": stream.position, "seed": 0}
+    assert state == {"task": "maze", "level": "small", "eval_n": 64, "pool": 0, "position": stream.position, "seed": 0}
     following = [stream.next() for _ in range(20)]
     resumed = TrainMazeStream("small", position=state["position"])
     assert [resumed.next() for _ in range(20)] == following
@@ -325,16 +343,12 @@ def test_stream_resumes_exactly():
                   TrainMazeStream("small", seed=1)):
         with pytest.raises(ValueError, match="built with"):
             other.load_state_dict(state)
-    legacy = {k: v for k, v in state.items() if k != "seed"}  # saved before streams followed the seed
-    loaded = TrainMazeStream("small")
-    loaded.load_state_dict(legacy)
-    assert [loaded.next() for _ in range(20)] == following
 
 
 def test_each_seed_trains_on_its_own_mazes_and_none_is_an_eval_layout():
     """--seed picks the training stream (seed 0's is the stream from before seeds did): three seeds
     share no training maze; the evaluation mazes are the same for every seed."""
-    firsts = {seed: [m.seed for m in first_training_mazes("small", 200, seed=seed)] for seed in (0, 1, 2)}
+    firsts = {seed: [m.seed for m in training_mazes("small", 200, seed=seed)] for seed in (0, 1, 2)}
     assert firsts[0][:3] == [m.seed for m in (lambda s: [s.next() for _ in range(3)])(TrainMazeStream("small"))]
     assert not set(firsts[0]) & set(firsts[1]) and not set(firsts[1]) & set(firsts[2])
     eval_walls = {m.walls for m in eval_mazes("small")}

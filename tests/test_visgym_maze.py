@@ -1,4 +1,4 @@
-"""Tests of the VisGym-compatible style (visgym.py, env.generate_maze_visgym) against facts recorded from VisGym's own code.
+"""Tests of VisGym's maze (tasks/visgym_maze.py, tasks.maze.generate_maze_visgym) against facts recorded from VisGym's own code.
 
 tests/data/visgym_maze2d.json was written by running visgym/VisGym (commit in its "source"):
 mazes by seed, the texts of scripted episodes, what its parser and maze make of many replies,
@@ -17,13 +17,21 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import env  # noqa: E402
-import visgym  # noqa: E402
-from env import generate_maze_visgym  # noqa: E402
-from visgym import VisGymMazeEnv, parse_action_visgym, render_visgym, skyrl_shaped_reward  # noqa: E402
+import tasks.maze as maze_task  # noqa: E402
+import tasks.visgym_maze as visgym  # noqa: E402
+from tasks.maze import MazeTask, generate_maze_visgym  # noqa: E402
+from tasks.visgym_maze import VisGymMazeTask, parse_action_visgym, render_visgym, skyrl_shaped_reward  # noqa: E402
+
+
+def VisGymMazeEnv(maze, max_turns=15, verbalize=False):
+    """VisGym's maze task on a given maze, reset."""
+    game = VisGymMazeTask.of(maze, max_turns=max_turns, verbalize=verbalize)
+    game.reset()
+    return game
 
 FACTS = json.loads((ROOT / "tests" / "data" / "visgym_maze2d.json").read_text())
 SIZES = {"easy": 9, "hard": 11}
-PALETTE = {env.WALL_RGB: "#", env.PATH_RGB: ".", env.GOAL_RGB: "R", env.AGENT_RGB: "B"}
+PALETTE = {maze_task.WALL_RGB: "#", maze_task.PATH_RGB: ".", maze_task.GOAL_RGB: "R", maze_task.AGENT_RGB: "B"}
 
 
 def as_rows(maze):
@@ -50,23 +58,21 @@ def test_every_recorded_seed_gives_visgyms_maze(difficulty):
         assert list(maze.start) == fact["start"] and list(maze.goal) == fact["goal"], f"seed {fact['seed']}"
 
 
-def test_visgym_style_plumbing():
-    # eval sets and training streams of the style use its generator; the default stays ours
-    assert env.eval_mazes("easy", 3, style="visgym") == [generate_maze_visgym(9, s) for s in range(3)]
-    assert env.eval_mazes("easy", 3) == [env.generate_maze(9, s) for s in range(3)]
-    stream = env.TrainMazeStream("small", style="visgym")
-    first = stream.next()
+def test_visgym_task_plumbing():
+    # its held-out set and training stream use its generator; the maze task stays ours
+    assert [t.maze for t in env.held_out(VisGymMazeTask, "easy", 3)] == [generate_maze_visgym(9, s) for s in range(3)]
+    assert [t.maze for t in env.held_out(MazeTask, "easy", 3)] == [maze_task.generate_maze(9, s) for s in range(3)]
+    stream = env.TrainingStream(VisGymMazeTask, "small")
+    first = stream.next().maze
     assert first.seed >= env.TRAIN_SEED_OFFSET and first == generate_maze_visgym(7, first.seed)
     state = stream.state_dict()
-    assert state["style"] == "visgym"
-    following = [stream.next() for _ in range(5)]
-    loaded = env.TrainMazeStream("small", style="visgym")
+    assert state["task"] == "visgym-maze"
+    following = [stream.next().maze for _ in range(5)]
+    loaded = env.TrainingStream(VisGymMazeTask, "small")
     loaded.load_state_dict(state)
-    assert [loaded.next() for _ in range(5)] == following
-    with pytest.raises(ValueError, match="built with"):  # a stream of the other style does not take it
-        env.TrainMazeStream("small").load_state_dict(state)
-    with pytest.raises(ValueError, match="style"):
-        env.eval_mazes("easy", 1, style="gym")
+    assert [loaded.next().maze for _ in range(5)] == following
+    with pytest.raises(ValueError, match="built with"):  # a stream of the other task does not take it
+        env.TrainingStream(MazeTask, "small").load_state_dict(state)
     with pytest.raises(ValueError, match="odd integer"):
         generate_maze_visgym(8, 0)
 
@@ -177,14 +183,14 @@ def test_frames_match_visgyms_pixels_including_the_hole_in_the_target():
     assert list(frames["reset"].getpixel((start[1] * 25 + 12, start[0] * 25 + 12))) == facts["pixels"]["reset"]["agent_centre"]
     assert list(frames["reset"].getpixel((0, 0))) == facts["pixels"]["reset"]["wall_0_0"]
     # our own style redraws every frame: no hole
-    ours = env.render(maze, tuple(facts["cell_left_to"]), 25)
-    assert ours.getpixel(centre) == env.GOAL_RGB
+    ours = maze_task.render(maze, tuple(facts["cell_left_to"]), 25)
+    assert ours.getpixel(centre) == maze_task.GOAL_RGB
 
 
 def test_render_visgym_is_a_pure_function_of_the_cells_vacated():
     maze = generate_maze_visgym(9, 0)
     holed = render_visgym(maze, maze.start, vacated=[maze.goal])
-    assert holed.getpixel((maze.goal[1] * 25 + 12, maze.goal[0] * 25 + 12)) == env.PATH_RGB
+    assert holed.getpixel((maze.goal[1] * 25 + 12, maze.goal[0] * 25 + 12)) == maze_task.PATH_RGB
     assert render_visgym(maze, maze.start).tobytes() == render_visgym(maze, maze.start, vacated=[maze.start]).tobytes()
     with pytest.raises(ValueError):
         render_visgym(maze, maze.start, cell_px=6)
