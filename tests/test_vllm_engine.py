@@ -122,14 +122,15 @@ def test_auto_chooses_kv_where_the_weights_fit_and_measures_the_worst_rank():
 
 
 def test_auto_in_kv_goes_back_to_offload_when_an_update_leaves_too_little():
-    """auto in kv measures every step: an update that leaves less than the reserve free (a longer
-    batch) sends it back to offload for good, in one line."""
-    memory = StandInMemory(free=60 * GIB, extra=30 * GIB)
+    """auto in kv measures every step, each update from its own start (the peak is reset at each
+    sleep): an update that leaves less than the reserve free (a longer batch) sends it back to
+    offload for good, in one line."""
+    memory = StandInMemory(free=60 * GIB, extra=38 * GIB)
     engine, said = StandInEngine(), []
     sleeper = vllm_engine.EngineSleep("auto", on_gpu=True, weights_bytes=16 * GIB, log=said.append, memory=memory)
-    one_step(sleeper, engine)  # offload: 30 GiB stayed free, the weights fit: kv
-    memory.free_bytes, memory.extra = 44 * GIB, 30 * GIB  # kv, weights resident: 14 GiB stay free
-    one_step(sleeper, engine)
+    one_step(sleeper, engine)  # offload: 22 GiB stayed free, the weights and the reserve (21 GiB) fit: kv
+    memory.free_bytes, memory.extra = 40 * GIB, 30 * GIB  # kv, weights resident: 10 GiB stay free
+    one_step(sleeper, engine)  # (with the first update's peak still counted, only 2 GiB would)
     assert sleeper.mode == "kv" and len(said) == 1
     memory.extra = 40 * GIB  # a longer batch: 4 GiB stay free, under the 5 GiB reserve
     one_step(sleeper, engine)
