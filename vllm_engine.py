@@ -215,7 +215,7 @@ class EngineSleep:
 
 
 # Engine steps settle() may take: one clears the finished requests, a second collects the batch
-# that async scheduling queued ahead; work left after that is a request still running.
+# that async scheduling queued ahead; work left after 4 is not the rollouts' (a KV connector's, say).
 SETTLE_STEPS = 4
 
 
