@@ -148,8 +148,10 @@ class EngineSleep:
                RAM, the KV cache is dropped; wake_up() copies them back. Frees the most memory; costs
                a copy of the whole base model each way every step and that much pinned host RAM per
                rank (~17 GB for Qwen3-VL-8B in bf16). The safe default.
-      kv       sleep(level=0) pauses the scheduler, release_kv_cache_memory() discards the KV cache's
-               memory without a copy; wake_up() maps it again. The weights stay on the GPU: no copy,
+      kv       settle() steps the engine until it holds no work (vLLM refuses to drop the KV cache
+               of an engine that does), sleep(level=0) pauses the scheduler,
+               release_kv_cache_memory() discards the KV cache's memory without a copy; wake_up()
+               maps it again and resumes the scheduler. The weights stay on the GPU: no copy,
                no host RAM, but the trainer gets the GPU minus the engine's weights.
       none     the engine keeps everything (its gpu_memory_utilization share) while the trainer
                runs beside it; vLLM's sleep-mode allocator is not even set up.
@@ -183,7 +185,8 @@ class EngineSleep:
         if mode == "offload":
             engine.sleep(level=1)
         elif mode == "kv":
-            engine.sleep(level=0)  # pause: release_kv_cache_memory needs an idle engine
+            settle(engine)  # release_kv_cache_memory refuses an engine that still holds work (settle: why)
+            engine.sleep(level=0)  # pause the scheduler: a completed pause is the other thing it needs
             engine.release_kv_cache_memory()
         self.asleep = mode != "none"
         if self.auto and self.mode in ("auto", "kv"):
@@ -204,8 +207,46 @@ class EngineSleep:
                          f"with the engine's weights on the GPU, under the {engine_reserve(self.memory.total()) / 2**30:.1f}"
                          " GiB reserve: back to offloading them to host RAM from the next step on (offload)")
         if self.asleep:
-            engine.wake_up()  # all tags: weights (if offloaded), KV cache, and the scheduler resumes
+            # No tags: whatever sleeps is mapped again (after kv only the KV cache: executor/abstract.py:
+            # 412-435, device_allocator/cumem.py:331-364), and once nothing sleeps the scheduler
+            # resumes (v1/engine/core.py:1044-1055)
+            engine.wake_up()
             self.asleep = False
+
+
+# Engine steps settle() may take: one clears the finished requests, a second collects the batch
+# that async scheduling queued ahead; work left after 4 is not the rollouts' (a KV connector's, say).
+SETTLE_STEPS = 4
+
+
+def settle(engine):
+    """Step the in-process engine until its core holds no work, as vLLM's own server loop does
+    before it idles (its has_work()), so that release_kv_cache_memory() accepts it.
+
+    In the pinned vllm 0.33.0, release_kv_cache_memory() raises "requires a completed pause
+    first" unless the scheduler is paused, has_requests() is false and the batch queue is empty
+    (v1/engine/core.py:1062-1070). LLM.generate returns while the last step's finished request
+    ids are still held (v1/core/sched/scheduler.py:3054; has_requests() counts them, :3157-3182;
+    only the next schedule() clears them, :1876) and, with async scheduling (on CUDA, on for this
+    executor: config/vllm.py:1685-1719), with a batch scheduled ahead still queued (core.py:758-778);
+    pausing (sleep(level=0), core.py:955-985, 1007-1010) steps nothing. LLMEngine.step()
+    (llm_engine.py:319) runs one step of the in-process core (core_client.py:398-401): it
+    schedules an empty batch, which clears the finished ids, and collects the queued one, whose
+    outputs name finished requests and are dropped (output_processor.py:759-762)."""
+    client = engine.llm_engine.engine_core
+    core = getattr(client, "engine_core", None)  # the in-process EngineCore (VLLM_ENABLE_V1_MULTIPROCESSING=0)
+    if core is None:
+        raise RuntimeError("--engine-sleep kv needs vLLM's engine core in this process "
+                           "(VLLM_ENABLE_V1_MULTIPROCESSING=0, which vllm_engine sets unless it is set)")
+    if core.scheduler.has_unfinished_requests():
+        raise RuntimeError("--engine-sleep kv: the engine still has requests running; "
+                           "it can only drop its KV cache once every generate call has returned")
+    for _ in range(SETTLE_STEPS):
+        if not core.scheduler.has_requests() and not core.batch_queue:
+            return
+        engine.llm_engine.step()
+    raise RuntimeError(f"--engine-sleep kv: the engine still holds work after {SETTLE_STEPS} steps "
+                       f"(requests: {core.scheduler.has_requests()}, queued batches: {len(core.batch_queue or ())})")
 
 
 def load_adapter(engine, path, step: int):

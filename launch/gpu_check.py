@@ -10,27 +10,43 @@ the versions requirements.txt pins (an older transformers has no precomputed ima
 the check that compares them with the pixel path would compare that path with itself). Then it
 checks, from package metadata alone, every requirement that the pinned transformers and peft
 declare (and transformers checks at import): anything missing or too old is listed in the JSON
-report and nothing else runs. The models are randomly initialised Qwen3VLForConditionalGeneration
-built from a config (nothing downloaded), the tokenizer is replaced by token ids drawn at random,
-the images are real maze renders. What runs is the project's own code, in train.py's order:
+report and nothing else runs. Torch is whatever the machine has (the device machines have 2.11,
+not the pinned 2.14): the report says which. The models are randomly initialised
+Qwen3VLForConditionalGeneration built from a config (nothing downloaded), the tokenizer is
+replaced by token ids drawn at random, the images are real maze renders. What runs is the
+project's own code, in train.py's order, in one process (world size 1):
 
   process group     distributed.init_distributed (on a GPU: "cpu:gloo,cuda:nccl", bound to the
                     device), and every collective the trainer uses, on CPU and on CUDA tensors
-  policy            small: the random model saved with save_pretrained, then policy.build_policy
-                    from that directory, as train.py builds it (meta device, PEFT LoRA, bf16 FSDP2
-                    on the 2-D mesh, set_model_state_dict broadcast from rank 0, the rotary buffers
-                    copied from rank 0, gradient checkpointing); every parameter and every buffer
-                    must equal the saved source's (LoRA's init included). 8b: the same wrapping
-                    (policy.wrap_policy) around a model built on the GPU (saving and reading 17 GB
-                    would not fit the time)
+                    (with one process NCCL carries nothing between GPUs)
+  policy            small: the random model, with tied embeddings (as Qwen3-VL-2B and 4B have),
+                    saved with save_pretrained, then policy.build_policy from that directory, as
+                    train.py builds it (meta device, PEFT LoRA, bf16 FSDP2 on the 2-D mesh,
+                    set_model_state_dict broadcast from rank 0, the rotary buffers copied from
+                    rank 0, gradient checkpointing); every parameter and every buffer must equal
+                    the saved source's (LoRA's init included). 8b: the same wrapping
+                    (policy.wrap_policy) around a model built on the GPU, untied like Qwen3-VL-8B
+                    (saving and reading 17 GB would not fit the time)
   forward           policy.Batch with precomputed image features vs the plain pixel path: the same
                     log-probs (to bf16 precision)
-  update            update.grpo_update on multi-turn sequences with images: real gradients, TIS
-                    weights from made-up rollout log-probs, the LoRA moves
+  log-probs         small: policy.sequence_logprobs at the recipe's T 0.5 with the engine's logit
+                    bias against vision tokens (the processed path, chunked over the vocabulary)
+                    equal log_softmax((logits + bias) / T) of the model's full logits
+  update            update.grpo_update at T 0.5 on multi-turn sequences with images of several
+                    lengths, packed into micro-batches by a token budget (small: one that splits
+                    them; 8b: the qwen3-vl recipe's 16384): real gradients, TIS weights from
+                    made-up rollout log-probs (the trainer's processed ones plus noise), the LoRA moves
   adapter           policy.gather_lora_state + checkpoint.write_adapter (a PEFT directory)
   checkpoint        checkpoint.save / publish / find / verify / load, and the LoRA and Adam state
                     come back equal
   speed             bench/gpu_mfu.py at the Qwen3-VL-8B shape (tokens/s, MFU, peak memory)
+
+What it does not run, so what stays unproven on a GPU (the report lists it under "not_run"): vLLM
+itself (its CUDA engine, its sampled log-probs and the bf16 trainer-vs-vLLM mismatch, the sleep
+modes offload/kv/auto, loading an adapter into it, serve.py), more than one process (NCCL traffic
+between GPUs, HSDP, the zero-weight filler micro-batches of a rank with fewer sequences), the
+pinned torch 2.14 where the machine has another, real Qwen3-VL weights and tokenizer, and
+bench/sizing.py's table (the engine's memory beside the trainer's).
 
 "small" is a few-layer model for correctness; "8b" the Qwen3-VL-8B shape (bench/shapes.py) for
 the same path at full size (memory, checkpointing). The JSON report (--out) is rewritten, whole
@@ -118,6 +134,20 @@ def requirements(extra: list[str]) -> list[dict]:
     return rows
 
 
+def pins_of(names, path: Path = REQUIREMENTS_TXT) -> dict[str, str]:
+    """The versions `path` pins with == for `names` (name -> version; a name pinned otherwise is left out)."""
+    from packaging.requirements import Requirement
+
+    found = {}
+    for line in path.read_text().splitlines():
+        line = line.split("#")[0].strip()
+        if line and (req := Requirement(line)).name in names:
+            specs = list(req.specifier)
+            if len(specs) == 1 and specs[0].operator == "==":
+                found[req.name] = specs[0].version
+    return found
+
+
 def pins(path: Path = REQUIREMENTS_TXT) -> dict[str, str]:
     """The versions `path` pins with == for transformers and peft (name -> version)."""
     from packaging.requirements import Requirement
@@ -201,18 +231,19 @@ def within_budget(stage: str, budget_s: float) -> bool:
     return False
 
 
-def random_model(text: dict, vision: dict, device, dtype=None):
-    """A Qwen3-VL of the given shape with random weights, built where it will run (bf16 on a GPU)."""
+def random_model(text: dict, vision: dict, device, dtype=None, tied: bool = False):
+    """A Qwen3-VL of the given shape with random weights, built where it will run (bf16 on a GPU);
+    `tied`: the LM head is the token embedding (Qwen3-VL-2B and 4B), else a matrix of its own (8B)."""
     from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
-    config = Qwen3VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=False, **IDS)
+    config = Qwen3VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=tied, **IDS)
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     torch.manual_seed(0)
     with torch.device(device):
         return Qwen3VLForConditionalGeneration._from_config(config, dtype=dtype, attn_implementation="sdpa")
 
 
-def build_from_saved(cfg, text: dict, vision: dict):
+def build_from_saved(cfg, text: dict, vision: dict, tied: bool = False):
     """A random Qwen3-VL saved with save_pretrained into a temporary directory, then
     policy.build_policy(cfg, that directory), as train.py builds its policy. Returns the built
     policy and the source (in CPU RAM, with the LoRA init rank 0 gave the built one: add_lora seeds
@@ -223,7 +254,7 @@ def build_from_saved(cfg, text: dict, vision: dict):
     import policy
 
     dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32  # what build_policy loads in
-    source = random_model(text, vision, torch.device("cpu"), dtype)
+    source = random_model(text, vision, torch.device("cpu"), dtype, tied)
     directory = tempfile.mkdtemp(prefix="gpu-check-model-") if torch.distributed.get_rank() == 0 else None
     directory = distributed.broadcast_object(directory)  # (one machine: every rank reads rank 0's directory)
     try:
@@ -272,9 +303,11 @@ def differences(model, source) -> tuple[list[str], dict]:
     return bad, compared
 
 
-def maze_sequences(n: int, vocab: int, cell_px: int, difficulty: str, turns: int, processor):
+def maze_sequences(n: int, vocab: int, cell_px: int, difficulty: str, turns: int, processor, varied: bool = False):
     """n multi-turn sequences shaped like rollouts: per turn a rendered maze image (its placeholder
-    expanded to one token per merged patch), some observation text and a reply of 8 tokens."""
+    expanded to one token per merged patch), some observation text and a reply of 8 tokens.
+    `varied`: episodes of three lengths (`turns`, and a quarter and a half fewer), as a group's
+    members end at different turns, so that a token budget packs them unevenly."""
     import rollout
     from tasks.maze import DIFFICULTY_SIZES, MazeTask, generate_maze
 
@@ -286,7 +319,8 @@ def maze_sequences(n: int, vocab: int, cell_px: int, difficulty: str, turns: int
         game = MazeTask.of(maze, max_turns=turns + 1, cell_px=cell_px)
         images = [game.reset().image]
         ids, mask = [], []
-        for t in range(turns):
+        played = max(1, turns - (i % 3) * (turns // 4)) if varied else turns
+        for t in range(played):
             grid = processor.image_processor(images=[images[-1]], return_tensors="pt")["image_grid_thw"][0]
             image = [IDS["vision_start_token_id"]] + [IDS["image_token_id"]] * (int(grid.prod()) // 4) + \
                 [IDS["vision_end_token_id"]]
@@ -294,7 +328,7 @@ def maze_sequences(n: int, vocab: int, cell_px: int, difficulty: str, turns: int
             reply = [rng.randrange(10, vocab) for _ in range(8)]
             ids += image + text + reply
             mask += [0] * (len(image) + len(text)) + [1] * len(reply)
-            if t < turns - 1:
+            if t < played - 1:
                 images.append(game.step(f"<answer>('move', {rng.randrange(4)})</answer>").image)
         # made-up sampling log-probs: TIS then has weights other than 1 to apply
         sequences.append(rollout.Sequence(ids, mask, [(-0.5 - 0.1 * rng.random()) if m else 0.0 for m in mask], images))
@@ -302,9 +336,10 @@ def maze_sequences(n: int, vocab: int, cell_px: int, difficulty: str, turns: int
 
 
 def shape_checks(shape: str, device, text: dict, vision: dict, cell_px: int, difficulty: str, turns: int,
-                 n_sequences: int, from_saved: bool) -> dict:
+                 n_sequences: int, from_saved: bool, tied: bool, micro_batch_tokens: int = 0) -> dict:
     """The trainer's path on one shape (from_saved: the policy built by policy.build_policy from a
-    saved model, and checked equal to it); returns figures for the report."""
+    saved model, and checked equal to it; tied: tied embeddings; micro_batch_tokens: the update's
+    token budget, 0 for one that splits this shape's sequences); returns figures for the report."""
     from transformers import Qwen2VLImageProcessor
 
     import checkpoint
@@ -313,34 +348,44 @@ def shape_checks(shape: str, device, text: dict, vision: dict, cell_px: int, dif
     import grpo
     import policy
     import update
+    import vllm_engine
     from tasks.maze import MazeTask
 
-    figures = {}
     processor = SimpleNamespace(image_processor=Qwen2VLImageProcessor(patch_size=16, merge_size=2,
                                                                       temporal_patch_size=2),
-                                image_token_id=IDS["image_token_id"], tokenizer=SimpleNamespace(pad_token_id=0))
+                                tokenizer=SimpleNamespace(pad_token_id=0), **IDS)
+    # the recipe's sampling (T 0.5: log-probs of the tempered distribution after the engine's logit
+    # bias, vllm_engine.logprobs_mode) and its micro-batches packed by tokens (config.py)
     cfg = config.Config(lora_rank=32 if shape == "8b" else 8, lora_alpha=64 if shape == "8b" else 16,
-                        micro_batch_size=1 if shape == "8b" else 2, tis_cap=2.0, lr=1e-3,
-                        temperature=1.0, warmup_steps=0)  # the logprobs below are T = 1 ones
+                        tis_cap=2.0, lr=1e-3, temperature=0.5, warmup_steps=0, micro_batch_tokens=micro_batch_tokens)
+    banned = vllm_engine.vision_token_ids(processor)
+    figures = {"tied_embeddings": tied, "temperature": cfg.temperature, "logit_bias_token_ids": banned}
     state = {}
+
+    def assert_tying(model):
+        """The LM head is the embedding's very parameter when tied (after FSDP2 too), its own when not."""
+        shared = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+        assert shared == tied, f"tie_word_embeddings={tied}, but the LM head {'is' if shared else 'is not'} the embedding"
 
     def build():
         t = time.time()
-        model = random_model(text, vision, device)
+        model = random_model(text, vision, device, tied=tied)
         state["model"] = policy.wrap_policy(cfg, model)
         trainable = sum(p.numel() for _, p in policy.lora_parameters(state["model"]))
         figures["build_s"] = round(time.time() - t, 1)
+        assert_tying(state["model"])
         return f"{sum(p.numel() for p in state['model'].parameters()) / 1e6:.0f} M parameters, {trainable / 1e6:.2f} M LoRA"
 
     def build_saved():
         t = time.time()
-        model, source = build_from_saved(cfg, text, vision)
+        model, source = build_from_saved(cfg, text, vision, tied)
         figures["build_s"] = round(time.time() - t, 1)
         bad, compared = differences(model, source)
         del source
         figures["build_policy_compared"] = compared
         assert compared["buffers_outside_the_state_dict"], "no buffer outside the state dict was compared"
         assert not bad, f"{len(bad)} differ from the saved source: " + "; ".join(bad[:4])
+        assert_tying(model)
         state["model"] = model
         return (f"{compared['tensors']} tensors and {compared['buffers']} buffers (outside the state dict: "
                 f"{', '.join(compared['buffers_outside_the_state_dict'])}) equal the saved source's, LoRA init "
@@ -363,17 +408,48 @@ def shape_checks(shape: str, device, text: dict, vision: dict, cell_px: int, dif
         figures["precomputed_vs_pixels_max_diff"] = diff
         return f"max |difference| {diff:.2e} on {int(mask.sum())} reply tokens, {inputs['input_ids'].shape[1]} positions"
 
+    def processed_logprobs():
+        """The chunked path at T 0.5 with the logit bias equals the plain formula on full logits."""
+        model = state["model"]
+        sequences = maze_sequences(2, text["vocab_size"], cell_px, difficulty, turns, processor)
+        model.eval()
+        with torch.no_grad():
+            inputs, mask, _ = policy.Batch(sequences, processor, model).micro([0, 1], device)
+            got = policy.sequence_logprobs(model, inputs, cfg.temperature, banned)
+            logits = model(**inputs).logits[:, :-1].float()
+            logits[..., banned] += vllm_engine.VISION_TOKEN_BIAS
+            want = torch.log_softmax(logits / cfg.temperature, -1).gather(
+                -1, inputs["input_ids"][:, 1:, None]).squeeze(-1)
+        diff = ((got - want).abs() * mask).max().item()
+        tolerance = 0.05 if device.type == "cuda" else 1e-4
+        assert diff < tolerance, f"log-probs differ by {diff} (> {tolerance})"
+        # the bias is in: a vision placeholder as the next token is all but impossible
+        image_next = inputs["input_ids"][:, 1:] == IDS["image_token_id"]
+        assert image_next.any() and got[image_next].max().item() < 0.5 * vllm_engine.VISION_TOKEN_BIAS / cfg.temperature
+        figures["processed_vs_full_logits_max_diff"] = diff
+        return (f"T {cfg.temperature}, bias {vllm_engine.VISION_TOKEN_BIAS} on {len(banned)} vision tokens: "
+                f"max |difference| {diff:.2e} on {int(mask.sum())} reply tokens")
+
     def train_update():
         model = state["model"]
-        sequences = maze_sequences(n_sequences, text["vocab_size"], cell_px, difficulty, turns, processor)
-        # the engine's log-probs, as if it had sampled these replies: the trainer's own plus a
-        # bf16-sized disagreement (about 1e-2), so TIS has weights near 1 but not 1 to apply
+        sequences = maze_sequences(n_sequences, text["vocab_size"], cell_px, difficulty, turns, processor, varied=True)
+        lengths = sorted(len(s.token_ids) for s in sequences)
+        # the token budget: given, or one that holds two of the middle length, so that the longest
+        # go alone and the shorter share a micro-batch
+        cfg.micro_batch_tokens = micro_batch_tokens or 2 * lengths[len(lengths) // 2]
+        packed = [b for b in update.synced_micro_batches(list(range(n_sequences)), cfg.micro_batch_size,
+                                                         lambda i: len(sequences[i].token_ids), cfg.micro_batch_tokens)]
+        assert all(len(b) == 1 or len(b) * len(sequences[b[0]].token_ids) <= cfg.micro_batch_tokens for b in packed)
+        figures.update(micro_batch_tokens=cfg.micro_batch_tokens, micro_batches=[len(b) for b in packed],
+                       sequence_tokens=lengths)
+        # the engine's log-probs, as if it had sampled these replies at T 0.5: the trainer's processed
+        # ones plus a bf16-sized disagreement (about 1e-2), so TIS has weights near 1 but not 1 to apply
         model.eval()
         noise = torch.Generator().manual_seed(0)
         with torch.no_grad():
             for i, s in enumerate(sequences):
                 inputs, _, _ = policy.Batch([s], processor, model).micro([0], device)
-                lp = policy.sequence_logprobs(model, inputs)[0].float().cpu()
+                lp = policy.sequence_logprobs(model, inputs, cfg.temperature, banned)[0].float().cpu()
                 jitter = 0.01 * torch.randn(lp.shape, generator=noise)
                 s.rollout_logprobs = [0.0] + [(lp[j] + jitter[j]).item() if s.response_mask[j + 1] else 0.0
                                               for j in range(len(lp))]
@@ -400,8 +476,10 @@ def shape_checks(shape: str, device, text: dict, vision: dict, cell_px: int, dif
         figures.update(grad_norm=stats["grad_norm"], tis_weight_mean=stats["tis_weight_mean"],
                        tokens=sum(len(s.token_ids) for s in sequences))
         state.update(optimizer=optimizer, scheduler=scheduler, lora=after)
-        return (f"{n_sequences} sequences of ~{figures['tokens'] // n_sequences} tokens in {figures['update_s']} s, "
-                f"grad norm {stats['grad_norm']:.3g}, TIS weight {stats['tis_weight_mean']:.4f}, LoRA moved {moved:.2e}")
+        return (f"{n_sequences} sequences of {lengths[0]}-{lengths[-1]} tokens in micro-batches of "
+                f"{figures['micro_batches']} (budget {cfg.micro_batch_tokens} tokens), T {cfg.temperature}, "
+                f"in {figures['update_s']} s, grad norm {stats['grad_norm']:.3g}, TIS weight "
+                f"{stats['tis_weight_mean']:.4f}, LoRA moved {moved:.2e}")
 
     def adapter_and_checkpoint():
         model, optimizer, scheduler, lora = state["model"], state["optimizer"], state["scheduler"], state["lora"]
@@ -443,12 +521,51 @@ def shape_checks(shape: str, device, text: dict, vision: dict, cell_px: int, dif
         ok = check(f"{shape}: policy (LoRA + bf16 FSDP2 on the 2-D mesh, gradient checkpointing)", build)
     if ok:
         check(f"{shape}: precomputed image features = pixel path", forward_paths)
-        if check(f"{shape}: update.grpo_update with TIS on multi-turn image sequences", train_update):
+        if shape == "small":  # the 8B's full-vocabulary logits (151,936 a token) would not fit beside it
+            check(f"{shape}: processed log-probs (T {cfg.temperature}, logit bias) = log_softmax of the full logits",
+                  processed_logprobs)
+        if check(f"{shape}: update.grpo_update with TIS at T {cfg.temperature}, micro-batches packed by tokens, "
+                 "on multi-turn image sequences", train_update):
             check(f"{shape}: adapter export, checkpoint save/verify/load round trip", adapter_and_checkpoint)
     state.clear()
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return figures
+
+
+def scope(on_gpu: bool, world: int, shapes: list[str], bench: bool) -> dict:
+    """What this run exercises ("ran") and what it leaves unproven ("not_run"), for the report:
+    it claims no more than the checks below run."""
+    torch_pin = pins_of(["torch"]).get("torch")
+    ran = [f"world size {world} (distributed.init_distributed, backend {'cpu:gloo,cuda:nccl' if on_gpu else 'gloo'}), "
+           "the trainer's collectives",
+           *(f"{shape}: " + SHAPE_PATHS[shape] for shape in shapes if shape in SHAPE_PATHS),
+           *(["bench/gpu_mfu.py at the Qwen3-VL-8B shape"] if bench and on_gpu else [])]
+    not_run = ["vLLM: no engine runs (rollout log-probs are the trainer's own plus noise), so not its CUDA "
+               "engine, its sampled log-probs, the bf16 trainer-vs-vLLM mismatch, the sleep modes offload/kv/auto, "
+               "loading an adapter into it, nor serve.py",
+               f"more than one process: NCCL traffic between GPUs, HSDP, filler micro-batches (world size {world})",
+               "real Qwen3-VL weights and tokenizer (random weights, random token ids)",
+               "bench/sizing.py's memory table (the engine's memory beside the trainer's)"]
+    if not on_gpu:
+        not_run.insert(0, "a GPU: this is the CPU dry run (fp32, no CUDA kernels, no NCCL)")
+    if torch_pin and torch.__version__.split("+")[0] != torch_pin:
+        not_run.append(f"the pinned torch {torch_pin} (requirements.txt): this ran torch {torch.__version__}")
+    if on_gpu and "8b" not in shapes:
+        not_run.append("the Qwen3-VL-8B shape (not asked for: --shapes)")
+    return {"ran": ran, "not_run": not_run}
+
+
+# What each shape's checks run (shape_checks), in words for the report.
+SHAPE_PATHS = {
+    "small": "policy.build_policy from a saved random model with tied embeddings (meta device, LoRA, FSDP2, "
+             "broadcast from rank 0) equal to it; precomputed image features = pixel path; processed log-probs "
+             "(T 0.5, logit bias) = log_softmax of the full logits; update.grpo_update with TIS at T 0.5, "
+             "micro-batches packed by a token budget that splits them; adapter export and checkpoint round trip",
+    "8b": "policy.wrap_policy (LoRA, FSDP2) of a random Qwen3-VL-8B shape, untied embeddings; precomputed image "
+          "features = pixel path; update.grpo_update with TIS at T 0.5, micro-batches packed by the qwen3-vl "
+          "recipe's 16384-token budget; adapter export and checkpoint round trip",
+}
 
 
 def collectives(device) -> str:
@@ -513,6 +630,7 @@ def main():
 
     import distributed
     import shapes
+    from config import QWEN3_VL_RECIPE
 
     rank, world, local_rank = distributed.init_distributed()
     device = torch.device("cuda", local_rank) if on_gpu else torch.device("cpu")
@@ -522,18 +640,21 @@ def main():
     REPORT.update(device=torch.cuda.get_device_name(device) if on_gpu else f"CPU ({platform.processor() or '?'})",
                   world_size=world)
     REPORT["versions"].update(transformers=transformers.__version__, peft=peft.__version__)
+    REPORT.update(scope(on_gpu, world, ["small"] if args.dry_run else args.shapes.split(","), not args.no_bench))
     write_report()
     check("process group and the trainer's collectives", lambda: collectives(device))
     wanted = ["small"] if args.dry_run else args.shapes.split(",")
     if "small" in wanted and within_budget("small", args.budget_s):
         REPORT["shapes"]["small"] = shape_checks("small", device, SMALL_TEXT, SMALL_VISION, cell_px=32,
-                                                 difficulty="small", turns=4 if args.dry_run else 15, n_sequences=4,
-                                                 from_saved=True)
+                                                 difficulty="small", turns=4 if args.dry_run else 15, n_sequences=6,
+                                                 from_saved=True, tied=True)
         write_report()
     if "8b" in wanted and on_gpu and within_budget("8b", args.budget_s):
-        # 9x9 mazes at 64 px cells (576 px images, 324 image tokens a turn), 15 turns: ~5k tokens
+        # 9x9 mazes at 64 px cells (576 px images, 324 image tokens a turn), up to 15 turns: ~5k
+        # tokens; the qwen3-vl recipe's token budget
         REPORT["shapes"]["8b"] = shape_checks("8b", device, shapes.QWEN3_VL_8B_TEXT, shapes.QWEN3_VL_8B_VISION,
-                                              cell_px=64, difficulty="easy", turns=15, n_sequences=4, from_saved=False)
+                                              cell_px=64, difficulty="easy", turns=15, n_sequences=4, from_saved=False,
+                                              tied=False, micro_batch_tokens=QWEN3_VL_RECIPE["micro_batch_tokens"])
         write_report()
     if not args.no_bench and on_gpu and rank == 0 and within_budget("bench", args.budget_s):
         with tempfile.TemporaryDirectory() as tmp:

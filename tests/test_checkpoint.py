@@ -11,6 +11,7 @@ import checkpoint
 import storage
 import rundir
 import train
+from stand_ins import peft_model
 
 
 def fake_checkpoint(root: Path, step: int, **files) -> Path:
@@ -97,17 +98,12 @@ def test_torn_metrics_lines_are_recognised():
 def test_a_full_disk_leaves_the_previous_adapter_and_says_so(tmp_path, monkeypatch):
     """Disk full in the middle of writing an adapter: the error names it, the old one stays whole,
     and no temp dir is left behind."""
-
-    class Peft:  # what write_adapter needs of a PEFT model
-        class Config:
-            def save_pretrained(self, directory):
-                Path(directory, "adapter_config.json").write_text("{}")
-        peft_config = {"default": Config()}
-
     import torch
+    from peft import PeftConfig
 
     final = tmp_path / "adapters" / "step_2"
-    checkpoint.write_adapter(Peft(), {"w": torch.ones(2)}, final, {"path": "base", "fingerprint": None})
+    checkpoint.write_adapter(peft_model(), {"w": torch.ones(2)}, final, {"path": "base", "fingerprint": None})
+    assert PeftConfig.from_pretrained(str(final)).r == 8  # an adapter PEFT reads
     before = {p.name: p.read_bytes() for p in final.iterdir()}
 
     def no_space(*args, **kwargs):
@@ -116,7 +112,7 @@ def test_a_full_disk_leaves_the_previous_adapter_and_says_so(tmp_path, monkeypat
     monkeypatch.setattr(checkpoint, "save_file", no_space)
     with pytest.raises(storage.WriteError, match=r"adapter .*step_2 not written \(No space left on device; \d+ MB free there\); the previous "
                                                      "one is untouched$"):
-        checkpoint.write_adapter(Peft(), {"w": torch.zeros(2)}, final, {"path": "base", "fingerprint": None})
+        checkpoint.write_adapter(peft_model(), {"w": torch.zeros(2)}, final, {"path": "base", "fingerprint": None})
     assert {p.name: p.read_bytes() for p in final.iterdir()} == before
     assert sorted(p.name for p in final.parent.iterdir()) == ["step_2"]
 
@@ -127,12 +123,6 @@ def test_a_full_disk_during_a_checkpoint_leaves_the_previous_one_newest(tmp_path
     previous = fake_checkpoint(tmp_path / "checkpoints", 2)
     storage.atomic_write_text(tmp_path / "checkpoints" / "latest", "step_2")
 
-    class Peft:
-        class Config:
-            def save_pretrained(self, directory):
-                Path(directory, "adapter_config.json").write_text("{}")
-        peft_config = {"default": Config()}
-
     def no_space(obj, path, *args, **kwargs):
         Path(path).write_bytes(b"partial")  # half written, then the disk is full
         raise OSError(28, "No space left on device")
@@ -140,7 +130,7 @@ def test_a_full_disk_during_a_checkpoint_leaves_the_previous_one_newest(tmp_path
     monkeypatch.setattr(torch, "save", no_space)
     with pytest.raises(storage.WriteError, match=r"checkpoint step_4 .*checkpoints not written \(No space left on device; \d+ MB free there\); "
                                                      "the previous one stays the newest"):
-        checkpoint.write_checkpoint(tmp_path, 4, Peft(), {"w": torch.ones(1)}, {"optimizer": {}}, {"step": 4},
+        checkpoint.write_checkpoint(tmp_path, 4, peft_model(), {"w": torch.ones(1)}, {"optimizer": {}}, {"step": 4},
                                     {"path": "base", "fingerprint": None})
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", "step_2"]  # no temp dir left
     assert checkpoint.find(tmp_path, "latest") == previous
@@ -336,12 +326,6 @@ def test_every_write_of_a_run_fails_in_one_line_naming_the_path_and_the_free_spa
     import torch
     from safetensors import SafetensorError
 
-    class Peft:
-        class Config:
-            def save_pretrained(self, directory):
-                Path(directory, "adapter_config.json").write_text("{}")
-        peft_config = {"default": Config()}
-
     def full(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
@@ -364,11 +348,11 @@ def test_every_write_of_a_run_fails_in_one_line_naming_the_path_and_the_free_spa
         write = lambda: log.step(3, {"reward_mean": 0.5})  # noqa: E731
     elif writer in ("sync", "export"):
         monkeypatch.setattr(checkpoint, "save_file", safetensors_full if writer == "sync" else full)
-        write = lambda: checkpoint.write_adapter(Peft(), {"w": torch.ones(2)}, out / "adapters" / "step_3",  # noqa
+        write = lambda: checkpoint.write_adapter(peft_model(), {"w": torch.ones(2)}, out / "adapters" / "step_3",  # noqa
                                                  {"path": "base"})
     elif writer == "checkpoint":
         monkeypatch.setattr(torch, "save", full)
-        write = lambda: checkpoint.write_checkpoint(out, 3, Peft(), {"w": torch.ones(1)}, {}, {"step": 3},  # noqa
+        write = lambda: checkpoint.write_checkpoint(out, 3, peft_model(), {"w": torch.ones(1)}, {}, {"step": 3},  # noqa
                                                     {"path": "base"})
     else:
         monkeypatch.setattr(builtins, "open", open_full_for_writing)

@@ -18,12 +18,22 @@ def test_the_gpu_group_covers_both_devices_and_the_cpu_group_its_own():
 
 
 def test_on_a_gpu_the_group_is_made_split_and_bound_to_the_device(monkeypatch):
+    """torch.distributed stood in for (this machine has no GPU), each stand-in taking only the
+    arguments torch 2.13's function takes; the backend string is parsed as init_process_group
+    parses it (dist.BackendConfig, distributed_c10d.py), which refuses a malformed one."""
+    from stand_ins import called_as
+
     calls = {}
+
+    def init_process_group(backend=None, **kw):
+        dist.BackendConfig(backend)
+        calls.update(backend=backend, **kw)
+
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "set_device", lambda i: calls.setdefault("device", i))
-    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: calls.update(backend=backend, **kw))
-    monkeypatch.setattr(dist, "get_rank", lambda: 3)
-    monkeypatch.setattr(dist, "get_world_size", lambda: 4)
+    monkeypatch.setattr(torch.cuda, "set_device", called_as(torch.cuda.set_device, lambda i: calls.setdefault("device", i)))
+    monkeypatch.setattr(dist, "init_process_group", called_as(dist.init_process_group, init_process_group))
+    monkeypatch.setattr(dist, "get_rank", called_as(dist.get_rank, lambda: 3))
+    monkeypatch.setattr(dist, "get_world_size", called_as(dist.get_world_size, lambda: 4))
     monkeypatch.setenv("RANK", "3")
     monkeypatch.setenv("LOCAL_RANK", "1")
     assert distributed.init_distributed() == (3, 4, 1)

@@ -534,18 +534,25 @@ def test_gpu_check_runs_the_trainer_path_in_its_dry_run(tmp_path):
             on_disk = json.loads((out / "gpu_check.json").read_text())
             seen_while_running.append((on_disk["status"], len(on_disk["checks"])))
     assert proc.wait(timeout=600) == 0
-    assert seen_while_running == [("running", n) for n in range(1, 6)]
+    assert seen_while_running == [("running", n) for n in range(1, 7)]
     report = json.loads((out / "gpu_check.json").read_text())
     assert report["status"] == "done" and report["dry_run"] and not report["gpu"]
-    assert (report["passed"], report["failed"], report["skipped"]) == (5, 0, 0)
+    assert (report["passed"], report["failed"], report["skipped"]) == (6, 0, 0)
     assert report["requirements"] and all(r["ok"] for r in report["requirements"])
     assert {"transformers", "peft", "regex", "tokenizers", "huggingface-hub"} <= {r["name"] for r in report["requirements"]}
-    assert [c["check"].split(":")[0] for c in report["checks"]][1:] == ["small"] * 4
+    assert [c["check"].split(":")[0] for c in report["checks"]][1:] == ["small"] * 5
     assert "build_policy" in report["checks"][1]["check"]
-    compared = report["shapes"]["small"]["build_policy_compared"]
+    small = report["shapes"]["small"]
+    compared = small["build_policy_compared"]
     assert compared["tensors"] > 100 and any("rotary_emb.inv_freq" in b for b in compared["buffers_outside_the_state_dict"])
     update = next(c for c in report["checks"] if "grpo_update" in c["check"])
-    assert "LoRA moved" in update["detail"] and report["shapes"]["small"]["grad_norm"] > 0
+    assert "LoRA moved" in update["detail"] and small["grad_norm"] > 0
+    # the recipe's sampling, tied embeddings and a token budget that really packs
+    assert small["tied_embeddings"] and small["temperature"] == 0.5 and small["processed_vs_full_logits_max_diff"] < 1e-4
+    assert len(small["micro_batches"]) > 1 and max(small["micro_batches"]) > 1
+    # it says what it ran on and what it leaves unproven
+    assert {"torch", "transformers", "peft"} <= set(report["versions"]) and report["world_size"] == 1
+    assert any("vLLM" in line for line in report["not_run"]) and any("a GPU" in line for line in report["not_run"])
 
 
 def _fake_wheel(folder: Path, name: str, version: str, tag: str = "py3-none-any", requires=()) -> Path:
@@ -658,6 +665,23 @@ def test_gpu_check_build_policy_equals_its_saved_source_and_the_comparison_sees_
     assert any(b.endswith("visual.rotary_pos_emb.inv_freq") for b in outside)
     assert [name for name in out["names"] if not any(b.startswith(name + ":") for b in out["broken"])] == []
     assert len(out["broken"]) == 3, out["broken"]
+
+
+def test_gpu_check_says_what_it_leaves_unproven():
+    """The report's scope claims no more than the check runs: on a GPU too, vLLM, several processes
+    and the sizing table stay unproven, and a torch other than the pinned one is named; its --help
+    lists the same."""
+    from launch import gpu_check
+
+    scope = gpu_check.scope(on_gpu=True, world=1, shapes=["small", "8b"], bench=True)
+    unproven, helped = " ".join(scope["not_run"]), " ".join(gpu_check.__doc__.split())
+    for claim in ("vLLM", "bf16 trainer-vs-vLLM mismatch", "sleep modes", "more than one process", "HSDP",
+                  "sizing.py"):
+        assert claim in unproven and claim in helped, claim
+    pinned = gpu_check.pins_of(["torch"])["torch"]
+    assert (f"the pinned torch {pinned}" in unproven) == (not __import__("torch").__version__.startswith(pinned))
+    assert "world size 1" in scope["ran"][0] and len(scope["ran"]) == 4
+    assert "a GPU" in " ".join(gpu_check.scope(on_gpu=False, world=1, shapes=["small"], bench=False)["not_run"])
 
 
 def test_gpu_check_skips_a_stage_it_has_no_time_for(tmp_path, monkeypatch):

@@ -380,10 +380,14 @@ def test_ranks_wait_for_a_download_on_gloo_with_a_long_timeout(monkeypatch, tiny
     timeout: on a GPU a plain barrier runs over NCCL, whose watchdog ends the job after 10 minutes."""
     import torch.distributed as dist
 
-    calls = []
-    monkeypatch.setattr(dist, "new_group", lambda **kw: calls.append(("new_group", kw)) or "gloo-group")
-    monkeypatch.setattr(dist, "barrier", lambda group=None, **kw: calls.append(("barrier", group)))
-    monkeypatch.setattr(dist, "destroy_process_group", lambda group=None: calls.append(("destroy", group)))
+    from stand_ins import called_as
+
+    calls = []  # each stand-in takes only the arguments torch 2.13's function takes
+    monkeypatch.setattr(dist, "new_group", called_as(dist.new_group,
+                                                     lambda **kw: calls.append(("new_group", kw)) or "gloo-group"))
+    monkeypatch.setattr(dist, "barrier", called_as(dist.barrier, lambda group=None, **kw: calls.append(("barrier", group))))
+    monkeypatch.setattr(dist, "destroy_process_group",
+                        called_as(dist.destroy_process_group, lambda group=None: calls.append(("destroy", group))))
     assert policy.resolve_model("") == str(tiny_model)
     [(_, created), barrier, destroyed] = calls
     assert created["backend"] == "gloo" and created["timeout"].total_seconds() >= 3600
@@ -396,6 +400,8 @@ def test_micro_batches_hold_at_most_the_token_budget(monkeypatch):
     every sequence in exactly one. The memory of the update follows the budget, not the batch."""
     import distributed
 
+    from stand_ins import ranks_worst
+
     monkeypatch.setattr(distributed, "max_over_ranks", lambda x: x)  # a world of one
     lengths = {i: n for i, n in enumerate([900, 4000, 1200, 300, 2500, 2500, 700, 9000, 100, 1500])}
     batches = update.synced_micro_batches(list(lengths), 16, lengths.get, max_tokens=5000)
@@ -406,3 +412,7 @@ def test_micro_batches_hold_at_most_the_token_budget(monkeypatch):
     assert [len(b) for b in batches] == [1, 1, 2, 3, 3]  # 9000 alone; 4000; 2500 x 2; 1500,1200,900; 700,300,100
     assert [len(b) for b in update.synced_micro_batches(list(lengths), 4, lengths.get)] == [4, 4, 2]  # no budget
     assert [len(b) for b in update.synced_micro_batches(list(lengths), 4, lengths.get, max_tokens=-1)] == [4, 4, 2]
+    # another rank with 7 micro-batches: every rank runs 7 (FSDP's forward and backward are
+    # collectives), this one 2 zero-weight fillers (None) after its own 5
+    monkeypatch.setattr(distributed, "max_over_ranks", ranks_worst(7))
+    assert update.synced_micro_batches(list(lengths), 16, lengths.get, max_tokens=5000)[5:] == [None, None]

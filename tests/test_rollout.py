@@ -1,7 +1,6 @@
 """Rollouts keep tokens exactly: the trainer sees what vLLM saw, images included."""
 
 import math
-import os
 
 import pytest
 import torch
@@ -289,99 +288,6 @@ def test_a_warning_is_said_once_per_line_of_code():
     assert [r.getMessage() for r in records] == ["the same line, again", "another line", "progress", "progress"]
 
 
-# ----------------------------------------------------------------------------- sharing the GPU
-
-class RecordingEngine:
-    """Stands in for vllm.LLM: records the sleep-mode calls the trainer makes."""
-
-    def __init__(self):
-        self.calls = []
-
-    def sleep(self, level):
-        self.calls.append(f"sleep({level})")
-
-    def release_kv_cache_memory(self):
-        self.calls.append("release_kv_cache_memory")
-
-    def wake_up(self, tags=None):
-        self.calls.append("wake_up")
-
-
-class FakeMemory:
-    """Device memory readings of a made-up GPU: `free` after the engine's sleep, `extra` the
-    trainer's update adds at its peak."""
-
-    def __init__(self, free, extra, total=100 * 2**30):
-        self.free_bytes, self.extra, self.total_bytes = free, extra, total
-
-    def free(self):
-        return self.free_bytes
-
-    def total(self):
-        return self.total_bytes
-
-    def start_peak(self):
-        return 10 * 2**30
-
-    def peak(self):
-        return 10 * 2**30 + self.extra
-
-
-def test_each_engine_sleep_mode_makes_the_vllm_calls_it_documents():
-    gib = 2**30
-    expected = {"offload": ["sleep(1)", "wake_up"], "kv": ["sleep(0)", "release_kv_cache_memory", "wake_up"],
-                "none": []}
-    for mode, calls in expected.items():
-        engine = RecordingEngine()
-        sleeper = vllm_engine.EngineSleep(mode, on_gpu=True)
-        sleeper.sleep(engine), sleeper.wake(engine)
-        assert engine.calls == calls, mode
-    engine = RecordingEngine()  # on a CPU vLLM has no sleep mode: whatever was asked, nothing is called
-    sleeper = vllm_engine.EngineSleep("offload", on_gpu=False)
-    sleeper.sleep(engine), sleeper.wake(engine)
-    assert engine.calls == []
-    # auto: offload first; then kv where the weights fit in what stayed free during the update
-    for free, choice in ((60 * gib, "kv"), (25 * gib, "offload")):
-        engine, said = RecordingEngine(), []
-        sleeper = vllm_engine.EngineSleep("auto", on_gpu=True, weights_bytes=16 * gib, log=said.append,
-                                      memory=FakeMemory(free=free, extra=30 * gib))
-        for _ in range(2):
-            sleeper.sleep(engine), sleeper.wake(engine)
-        assert sleeper.mode == choice and len(said) == 1 and f"({choice})" in said[0], said
-        assert engine.calls[:2] == ["sleep(1)", "wake_up"]
-        assert engine.calls[2:] == expected[choice]
-    # auto in kv measures every step: an update that leaves less than the reserve free (a longer
-    # batch) sends it back to offload for good, in one line
-    memory = FakeMemory(free=60 * gib, extra=30 * gib)
-    engine, said = RecordingEngine(), []
-    sleeper = vllm_engine.EngineSleep("auto", on_gpu=True, weights_bytes=16 * gib, log=said.append, memory=memory)
-    sleeper.sleep(engine), sleeper.wake(engine)  # offload: 30 GiB stayed free, the weights fit: kv
-    memory.free_bytes, memory.extra = 44 * gib, 30 * gib  # kv, weights resident: 14 GiB stay free
-    sleeper.sleep(engine), sleeper.wake(engine)
-    assert sleeper.mode == "kv" and len(said) == 1
-    memory.extra = 40 * gib  # a longer batch: 4 GiB stay free, under the 5 GiB reserve
-    sleeper.sleep(engine), sleeper.wake(engine)
-    assert sleeper.mode == "offload" and len(said) == 2 and "back to offloading" in said[1] and "(offload)" in said[1]
-    memory.extra = 0
-    sleeper.sleep(engine), sleeper.wake(engine)  # and stays there
-    assert sleeper.mode == "offload" and len(said) == 2
-    assert engine.calls == ["sleep(1)", "wake_up", "sleep(0)", "release_kv_cache_memory", "wake_up",
-                            "sleep(0)", "release_kv_cache_memory", "wake_up", "sleep(1)", "wake_up"]
-    # the arithmetic: 100 GiB GPU, reserve 5 GiB; 30 GiB left free, weights 25 GiB fit, 26 not
-    assert vllm_engine.choose_engine_sleep(30 * gib, 25 * gib, 100 * gib)[0] == "kv"
-    assert vllm_engine.choose_engine_sleep(30 * gib, 26 * gib, 100 * gib)[0] == "offload"
-    with pytest.raises(ValueError, match="engine sleep mode"):
-        vllm_engine.EngineSleep("level2", on_gpu=True)
-    import train
-
-    with pytest.raises(SystemExit, match="engine_sleep must be one of.*; mismatch_bound and mismatch_steps"):
-        train.Config(engine_sleep="level2", mismatch_steps=-1).validate(1)
-    # none leaves vLLM's sleep-mode allocator out; the others ask for it
-    args = vllm_engine.engine_arguments("m", max_model_len=64, max_lora_rank=8, seed=0, on_gpu=True, sleep_mode=False)
-    assert "enable_sleep_mode" not in args
-    assert vllm_engine.engine_arguments("m", max_model_len=64, max_lora_rank=8, seed=0, on_gpu=True)["enable_sleep_mode"]
-
-
 def test_a_stale_adapter_stops_the_run_with_one_line(engine, warm_start):
     """The engine samples from the warm start while the trainer holds a LoRA that moved (a sync that
     never reached the engine): the mismatch the trainer logs is far above the CPU stack's noise and
@@ -419,25 +325,6 @@ def test_a_stale_adapter_stops_the_run_with_one_line(engine, warm_start):
     guard = update.StalePolicyGuard(steps=3)  # a single bad step between good ones does not stop it
     for step, m in enumerate([stale, stale, in_sync, stale, stale, in_sync], 1):
         guard.check(step, m)
-
-
-def test_the_engine_is_built_with_vllms_native_top_k_top_p_sampler(monkeypatch):
-    """build_engine sets VLLM_USE_FLASHINFER_SAMPLER=0 before vLLM is imported (vLLM 0.33's CUDA
-    wheel lacks FlashInfer's kernels; see build_engine), and leaves a value the user set alone."""
-    import sys
-    import types
-
-    seen = []
-    fake = types.ModuleType("vllm")
-    fake.LLM = lambda **kwargs: seen.append(os.environ.get("VLLM_USE_FLASHINFER_SAMPLER")) or kwargs
-    monkeypatch.setitem(sys.modules, "vllm", fake)
-    for user, expected in ((None, "0"), ("1", "1")):
-        if user is None:
-            monkeypatch.delenv("VLLM_USE_FLASHINFER_SAMPLER", raising=False)
-        else:
-            monkeypatch.setenv("VLLM_USE_FLASHINFER_SAMPLER", user)
-        args = vllm_engine.build_engine("m", max_model_len=64, max_lora_rank=8, seed=0)
-        assert args["model"] == "m" and seen[-1] == expected
 
 
 def test_the_policy_probe_measures_how_far_the_first_move_moved(engine, warm_start, monkeypatch):

@@ -437,8 +437,9 @@ def test_adapter_names_resolve_only_inside_the_root(tmp_path):
 def test_the_server_is_started_with_vllms_native_top_k_top_p_sampler(tmp_path, tiny_model, monkeypatch):
     """serve.py sets VLLM_USE_FLASHINFER_SAMPLER=0 before it imports vLLM (vLLM 0.33's CUDA wheel
     lacks FlashInfer's kernels, which a request with top-p/top-k would need compiled or fetched),
-    so the engine core it starts inherits it; a value the user set stays. vLLM itself is stood in
-    for: what the server would start with is what run_server sees."""
+    so the engine core it starts inherits it; a value the user set stays. The server is not
+    started: what it would start with is what run_server sees, parsed and validated by the
+    installed vLLM's own parser and validator (a stand-in parser would take any argument)."""
     import os
     import types
 
@@ -447,14 +448,11 @@ def test_the_server_is_started_with_vllms_native_top_k_top_p_sampler(tmp_path, t
     async def run_server(args):
         seen.append((os.environ.get("VLLM_USE_FLASHINFER_SAMPLER"), args))
 
-    class Parser:
-        def parse_args(self, argv):
-            return argv
-
+    _, make_arg_parser, validate_parsed_serve_args, _, parser_class = serve.vllm_server_api()
     registry = types.SimpleNamespace(register_resolver=lambda name, resolver: None)
     monkeypatch.setitem(sys.modules, "vllm.lora.resolver", types.SimpleNamespace(LoRAResolverRegistry=registry))
     monkeypatch.setattr(serve, "vllm_server_api",
-                        lambda: (run_server, lambda parser: Parser(), lambda args: None, lambda: None, object))
+                        lambda: (run_server, make_arg_parser, validate_parsed_serve_args, lambda: None, parser_class))
     monkeypatch.setattr(serve, "make_resolver", lambda root, served_name: None)
     monkeypatch.setattr(serve, "fix_cpu_lora_for_base_requests", lambda: None)
     monkeypatch.setattr(serve, "SERVING", {})
@@ -467,4 +465,4 @@ def test_the_server_is_started_with_vllms_native_top_k_top_p_sampler(tmp_path, t
         else:
             monkeypatch.setenv("VLLM_USE_FLASHINFER_SAMPLER", user)
         serve.serve(["--model", str(tiny_model), "--adapters", str(tmp_path), "--port", str(free_port())])
-        assert seen[-1][0] == expected and "--enable-lora" in seen[-1][1]
+        assert seen[-1][0] == expected and seen[-1][1].enable_lora and seen[-1][1].model == str(tiny_model)
