@@ -490,9 +490,9 @@ def test_report_tables_come_from_the_logged_files(tmp_path):
     assert "46.9% ± 4.4%" in mean and "1/2 reached" in mean
     assert f"| {a} | SFT + GRPO | easy | 7/64 |" in lines
     # the ceiling, from the solver: every 7x7 maze fits in 15 turns, only some 9x9 ones do
-    assert "64 of the 64 small evaluation mazes can be solved within 15 turns (shortest path plus stop)" in lines
+    assert "64 of the 64 maze small held-out puzzles can be solved within 15 turns (their shortest solution fits)" in lines
     from launch.report import solvable
-    assert solvable("easy", 64, 15) < 64 == solvable("easy", 64, 21)
+    assert solvable("maze", "easy", 64, 15) < 64 == solvable("maze", "easy", 64, 21)
     assert (a / "solve_rate.png").exists() and (a / "final_episode.gif").exists()
     # the records: one per run, from the logged evaluations; an older record of the same run replaced
     records = {r["run"]: r for r in json.loads(results.read_text())}
@@ -709,7 +709,7 @@ def test_report_names_the_sampled_evaluations_own_temperature(tmp_path):
     proc = subprocess.run([sys.executable, "launch/report.py", str(run), "--record", "long", "--results", str(results)],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    assert "sampled solve rate (temperature 1.0, held-out mazes): 0.300 before GRPO, 0.400 after" in proc.stdout
+    assert "sampled solve rate (temperature 1.0, held-out puzzles): 0.300 before GRPO, 0.400 after" in proc.stdout
     [rec] = json.loads(results.read_text())
     assert (rec["sampled_temperature"], rec["train_temperature"], rec["sampled_after"]) == (1.0, 0.5, 0.4)
 
