@@ -1,7 +1,7 @@
 """Bring your own task, the smallest whole example: walk along a corridor to the target, then stop.
 
-The picture is one row of open cells between two rows of wall; the agent (blue) moves left or
-right, one cell a turn, and earns 1.0 only for stopping on the target (red). It speaks the maze's
+The picture is a square of wall with one row of open cells across its middle; the agent (blue)
+moves left or right, one cell a turn, and earns 1.0 only for stopping on the target (red). It speaks the maze's
 language (its replies, colours and instructions), so a maze policy can play it from the start.
 Train it with `python train.py --task line --difficulty short`; tests/test_line.py does, and
 task_check.py checks it keeps the interface's promises. Everything env.Task asks for is here.
@@ -52,12 +52,13 @@ class LineTask(env.Task):
         return 0.0, False, "Moved right." if MOVES[action] > 0 else "Moved left."
 
     def render(self) -> Image.Image:
-        image = Image.new("RGB", ((self.length + 2) * CELL, 3 * CELL), WALL_RGB)
-        draw = ImageDraw.Draw(image)
+        side = (self.length + 2) * CELL  # a square of wall, the corridor across its middle row
+        image = Image.new("RGB", (side, side), WALL_RGB)
+        draw, row = ImageDraw.Draw(image), (self.length + 1) // 2
         for x in range(self.length):
             colour = GOAL_RGB if x == self.target else PATH_RGB
-            draw.rectangle([(x + 1) * CELL, CELL, (x + 2) * CELL - 1, 2 * CELL - 1], fill=colour)
-        cx, cy, r = (self.agent + 1.5) * CELL, 1.5 * CELL, CELL / 4
+            draw.rectangle([(x + 1) * CELL, row * CELL, (x + 2) * CELL - 1, (row + 1) * CELL - 1], fill=colour)
+        cx, cy, r = (self.agent + 1.5) * CELL, (row + 0.5) * CELL, CELL / 4
         draw.ellipse([cx - r, cy - r, cx + r, cy + r], fill=AGENT_RGB)
         return image
 

@@ -22,7 +22,7 @@ import vllm_engine  # noqa: E402
 # its two workers two files to start with, in this order, then the next file to whichever is
 # free: the learning test and the trainer's runs on one, the launchers and the server on the
 # other, and no long file left to start when the other worker is nearly done.
-SLOW_FILES_FIRST = ("test_learning.py", "test_launch.py", "test_train.py", "test_serve.py", "test_bad_input.py",
+SLOW_FILES_FIRST = ("test_learning.py", "test_launch.py", "test_line.py", "test_train.py", "test_serve.py", "test_bad_input.py",
                     "test_experiments.py", "test_sft.py", "test_policy.py", "test_branch.py")
 
 
@@ -52,15 +52,21 @@ def warm_start(tiny_model) -> Path:
         other = Path(os.environ["GRPO_TEST_WARM_START"]) / "model"
         assert (other / "config.json").exists(), f"GRPO_TEST_WARM_START: no {other}/config.json"
         return other
-    build = json.loads((tiny_model / "BUILD_INFO.json").read_text())["fingerprint"]
-    recipe = hashlib.sha256((ROOT / "sft.py").read_bytes()).hexdigest()[:8]
-    out = ROOT / ".cache" / f"warm-start-{WARM_START_STEPS}-{build}-{recipe}"
-    # under pytest-xdist every worker asks for it at once: the first builds it, the others wait
+    return cached_build(f"warm-start-{WARM_START_STEPS}", tiny_model, build_warm_start) / "model"
+
+
+def cached_build(name: str, tiny_model: Path, build, sources=("sft.py",)) -> Path:
+    """`build(out)` once into .cache/<name>-<tiny model's fingerprint>-<the sources' hash> (sft.py's,
+    and any other file the build depends on), a name that changes with the model and the recipe;
+    under pytest-xdist every worker may ask at once: the first builds it, the others wait."""
+    fingerprint = json.loads((tiny_model / "BUILD_INFO.json").read_text())["fingerprint"]
+    recipe = hashlib.sha256(b"".join((ROOT / source).read_bytes() for source in sources)).hexdigest()[:8]
+    out = ROOT / ".cache" / f"{name}-{fingerprint}-{recipe}"
     with open(ROOT / ".cache" / f"{out.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (out / "model" / "config.json").exists():
-            build_warm_start(out)
-    return out / "model"
+            build(out)
+    return out
 
 
 def build_warm_start(out: Path):

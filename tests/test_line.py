@@ -1,27 +1,45 @@
-"""Bring your own task: tasks/line.py (the README's example, under 100 lines) trained end to end by
-train.py with real updates, against the same run with every advantage's sign flipped, as the
-maze's learning test does (tests/test_learning.py)."""
+"""Bring your own task: tasks/line.py (the README's example, under 100 lines) taken through the
+whole pipeline a user's task takes: a short SFT from its solver (sft.py --task line), then GRPO
+with real updates (train.py --task line), against the same run with every advantage's sign
+flipped, as the maze's learning test does (tests/test_learning.py)."""
 
 import multiprocessing
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 import env
+from conftest import cached_build
 from tasks.line import LineTask
 from test_learning import _train_in_process
 from test_train import read_metrics
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# The corridor of 9 cells at 12 turns, four puzzles played over and over by groups of 8 from the
-# maze's warm start (which speaks the corridor's language), sampled at T 1, a constant rate.
-RUN = ["--task", "line", "--difficulty", "long", "--max-turns", "12", "--train-pool", "4", "--group-size", "8",
+# The corridor of 5 cells at 8 turns, four puzzles played over and over by groups of 8, from a
+# 60-step SFT of the tiny model (15/32 held-out corridors solved greedily: reward spread), sampled
+# at T 1, a constant rate.
+SFT_STEPS = 60
+RUN = ["--task", "line", "--difficulty", "short", "--max-turns", "8", "--train-pool", "4", "--group-size", "8",
        "--eval-puzzles", "4", "--temperature", "1", "--warmup-steps", "0", "--lr-schedule", "constant",
        "--lr", "4e-3", "--sampled-eval-samples", "0", "--progress", "false", "--lora-rank", "8",
        "--branch-points-per-group", "0", "--probe-states", "0", "--eval-interval", "1000", "--ckpt-interval", "1000",
        "--export-interval", "1000"]
-STEPS, WINDOW = 6, 3
+STEPS, WINDOW = 8, 4
+
+
+@pytest.fixture(scope="module")
+def line_warm_start(tiny_model) -> Path:
+    """The tiny model after SFT_STEPS of sft.py on the corridor (~30 s), cached like the maze's."""
+    def build(out: Path):
+        proc = subprocess.run([sys.executable, "sft.py", "--task", "line", "--difficulty", "short", "--max-turns", "8",
+                               "--steps", str(SFT_STEPS), "--seed", "0", "--out", str(out)], cwd=ROOT,
+                              capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+
+    return cached_build(f"line-sft-{SFT_STEPS}", tiny_model, build, sources=("sft.py", "tasks/line.py")) / "model"
 
 
 def test_the_toy_task_is_under_a_hundred_lines():
@@ -29,7 +47,7 @@ def test_the_toy_task_is_under_a_hundred_lines():
 
 
 @pytest.mark.slow
-def test_grpo_learns_the_toy_task(tmp_path, warm_start):
+def test_grpo_learns_the_toy_task(tmp_path, line_warm_start):
     """Its sampled solve rate over the last WINDOW steps beats the flipped twin's by 3 standard
     errors (the same seeds, the same four puzzles: a zero update or a stale sync would make the two
     runs identical)."""
@@ -38,13 +56,13 @@ def test_grpo_learns_the_toy_task(tmp_path, warm_start):
         out = tmp_path / ("flipped" if negate else "learns")
         ctx = multiprocessing.get_context("spawn")
         results = ctx.Queue()
-        argv = ["--model", str(warm_start), *RUN, "--steps", str(STEPS), "--out-dir", str(out)]
+        argv = ["--model", str(line_warm_start), *RUN, "--steps", str(STEPS), "--out-dir", str(out)]
         proc = ctx.Process(target=_train_in_process, args=(argv, negate, results))
         proc.start()
         proc.join(timeout=1200)
         assert proc.exitcode == 0, f"training process exited with {proc.exitcode}"
         metrics = read_metrics(out)
-        pool = [t.seed for t in env.TrainingStream(LineTask, "long", eval_n=4).first(4)]
+        pool = [t.seed for t in env.TrainingStream(LineTask, "short", eval_n=4).first(4)]
         assert all(m["seeds"] == pool for m in metrics)
         rates[negate] = [m["solve_rate"] for m in metrics]
         if not negate:
