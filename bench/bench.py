@@ -419,7 +419,8 @@ def summarise_train(rows: list, config: dict) -> dict:
     res = {"steps": len(rows), "episodes_per_step": episodes, "lora_rank": config["lora_rank"], "phases": phases,
            "first_step": {k: rows[0].get(k) for k in phases},
            "per_step": [{"step": r.get("step", i + 1), "trained_frac": r[TRAINED_KEY], "idle": r[GRAD_NORM_KEY] == 0,
-                         "trained_tokens": r.get("mismatch_tokens"),  # every rank's, in a single-pass update
+                         # every rank's sampled tokens the update ran (single pass; branch targets' are forced)
+                         "trained_sampled_tokens": r.get("mismatch_tokens"),
                          "zero_variance_group_frac": r.get("zero_variance_group_frac"),
                          "update_s": r.get("update_s")} for i, r in enumerate(rows)],
            "trained_frac": summary([r[TRAINED_KEY] for r in later])}

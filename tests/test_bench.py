@@ -103,7 +103,7 @@ def test_every_section_runs_at_its_smallest_size(warm_start, tmp_path):
     assert run["eval_s_when_run"]["n"] == 1 and run["checkpoint_s_when_run"]["n"] == 1  # step 2 ran both
     # the timed step trained: rows, and their sampled tokens, went through the update
     assert "refused" not in run and run["idle_steps"] == [], run["per_step"]
-    assert run["per_step"][1]["trained_frac"] > 0 and run["per_step"][1]["trained_tokens"] > 0, run["per_step"]
+    assert run["per_step"][1]["trained_frac"] > 0 and run["per_step"][1]["trained_sampled_tokens"] > 0, run["per_step"]
 
     assert results["sync_8b"]["rank"] == 1 and results["sync_8b"]["float32"]["write_s"]["n"] == 1
     rollout = results["rollout"]
