@@ -1,8 +1,8 @@
 """Benchmarks: how fast the pieces are and where the time goes. Apart from the tests; nothing
 here gates CI on timing.
 
-    .venv/bin/python bench/bench.py --quick      # about 3 minutes on 2 idle CPU cores
-    .venv/bin/python bench/bench.py              # the full set, about 15 minutes
+    .venv/bin/python bench/bench.py --quick      # about 5 minutes on 2 idle CPU cores
+    .venv/bin/python bench/bench.py              # the full set, about 20 minutes
     .venv/bin/python bench/bench.py --only rollout --profile
     .venv/bin/python bench/bench.py --size tiny  # every section at its smallest: a smoke run, no figures
                                                  # worth reading (tests/test_bench.py runs it)
@@ -745,7 +745,7 @@ RESULT_KEYS = {"coldstart": "coldstart", "train": "train", "sync": "sync_8b", "r
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", choices=["tiny", "quick", "full"], default="full",
-                        help="full (default, ~13 min), quick (small sizes, fewer repeats, a few minutes) or tiny "
+                        help="full (default, ~20 min), quick (small sizes, fewer repeats, a few minutes) or tiny "
                              "(every section at its smallest, once: a smoke run for the tests, no figures to keep)")
     parser.add_argument("--quick", action="store_true", help="the same as --size quick")
     parser.add_argument("--only", default="", help=f"comma-separated sections of {list(SECTIONS)}; default all")
