@@ -1,8 +1,8 @@
 """Benchmarks: how fast the pieces are and where the time goes. Apart from the tests; nothing
 here gates CI on timing.
 
-    .venv/bin/python bench/bench.py --quick      # about 3 minutes on 2 idle CPU cores
-    .venv/bin/python bench/bench.py              # the full set, about 15 minutes
+    .venv/bin/python bench/bench.py --quick      # about 5 minutes on 2 idle CPU cores
+    .venv/bin/python bench/bench.py              # the full set, about 20 minutes
     .venv/bin/python bench/bench.py --only rollout --profile
     .venv/bin/python bench/bench.py --size tiny  # every section at its smallest: a smoke run, no figures
                                                  # worth reading (tests/test_bench.py runs it)
@@ -12,7 +12,12 @@ Sections (`--only` picks some, comma-separated):
   coldstart  engine start and first rollout, each in a fresh process, per setting
   train      real training steps, phase by phase, with 1 and 2 processes (`train.py`, `torchrun`),
              and the scaling of episodes/s from 1 to 2; the phases are the timings train.py writes
-             to metrics.jsonl (every `*_s` key but the rates `*_per_s`), whatever they are named
+             to metrics.jsonl (every `*_s` key but the rates `*_per_s`), whatever they are named.
+             The steps start from the main job's SFT warm start (built once into .cache/, or
+             `--model`), so groups have reward spread and the update trains; the share of rows
+             (sequences) each step trained is recorded, and a run with half or more of its timed
+             steps idle (the update trained nothing) is refused: left out of the table and the
+             scaling, and bench exits 3
   sync       LoRA sync: bytes, seconds and share of the step come from the train runs; here, write
              and load of a random rank-32 adapter with the shape of Qwen3-VL-8B
   rollout    `rollout.play_episodes` (in-process vLLM, token-in/token-out, prefix caching) against
@@ -39,6 +44,8 @@ import argparse
 import contextlib
 import cProfile
 import datetime
+import fcntl
+import hashlib
 import json
 import os
 import platform
@@ -96,6 +103,42 @@ def tiny_model() -> str:
     from tiny_model import ensure_tiny_model
 
     return str(ensure_tiny_model())
+
+
+# The main job's warm start (launch/run.sh: `sft.py --difficulty small --seed 0` at sft.py's default
+# 250 steps). The folder is named as tests/conftest.py's `warm_start` fixture names it, from the
+# tiny model's fingerprint and sft.py's hash, so the tests and the benchmark build it once between
+# them and a changed model or recipe gets a new one.
+WARM_START_STEPS = 250
+
+
+def warm_start_dir() -> Path:
+    """Where the warm start of today's tiny model and sft.py lives (built or not)."""
+    fingerprint = json.loads((Path(tiny_model()) / "BUILD_INFO.json").read_text())["fingerprint"]
+    recipe = hashlib.sha256((ROOT / "sft.py").read_bytes()).hexdigest()[:8]
+    return ROOT / ".cache" / f"warm-start-{WARM_START_STEPS}-{fingerprint}-{recipe}"
+
+
+def warm_start(args) -> dict:
+    """The warm start's model folder, built by sft.py if it is not there yet (3-5 min on 2 cores),
+    under the same lock file as the tests' fixture, so a test session building it is waited for."""
+    out = warm_start_dir()
+    info = {"model": str(out / "model"), "built_s": None}
+    with open(ROOT / ".cache" / f"{out.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (out / "model" / "config.json").exists():
+            cmd = [sys.executable, "sft.py", "--out", str(out), "--difficulty", "small", "--seed", "0",
+                   "--steps", str(WARM_START_STEPS), "--log-every", "50"]
+            log(f"warm start: building {out.name} ({' '.join(cmd[1:])})")
+            t = time.time()
+            proc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS=str(args.threads)),
+                                  capture_output=True, text=True, timeout=args.timeout)
+            if proc.returncode != 0:
+                raise SystemExit(f"bench: the warm start's sft.py failed ({proc.returncode}): "
+                                 f"{proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else 'no stderr'}")
+            info["built_s"] = round(time.time() - t, 1)
+    log(f"warm start: {out / 'model'} ({'built' if info['built_s'] else 'reused'})")
+    return info
 
 
 # ----------------------------------------------------------------------------- 1. rollout engine
@@ -297,6 +340,14 @@ def profile_rollout(play) -> dict:
 # line (`timing_keys`). These are the few the summary needs by name: the step's whole time, the
 # two that run on intervals (reported "when run" and left out of the core step), and the sync.
 STEP_KEY, INTERVAL_KEYS, SYNC_KEY = "step_s", ("eval_s", "checkpoint_s"), "sync_s"
+# What the update trained, from update.grpo_update's metrics: the share of rank 0's sequences it ran
+# (the others had all-zero advantages: their group's rewards were equal), and the gradient's norm,
+# which FSDP reduces over every rank, so a step is idle (trained nothing anywhere, its update_s
+# times no backward pass) exactly when it is 0. With 2 processes rank 0's share can be 0 while
+# rank 1 trains; rank 0 then runs zero-weight fillers as long as rank 1's update, so the step's
+# time is a training step's. The first step runs every sequence (the stale-policy guard's
+# calibration) whatever its advantages; it is not timed.
+TRAINED_KEY, GRAD_NORM_KEY = "trained_sequence_frac", "grad_norm"
 
 
 def timing_keys(rows: list) -> list:
@@ -315,17 +366,19 @@ def timing_keys(rows: list) -> list:
 
 
 def train_args(size: str) -> list:
-    """Tiny settings for a few real steps; eval, checkpoint and export every 2 steps."""
-    size = {"tiny": ["--prompts-per-step", "2", "--group-size", "2", "--max-turns", "2", "--max-new-tokens", "8",
-                     "--steps", "2", "--eval-puzzles", "2", "--sampled-eval-samples", "1"],
-            "quick": ["--prompts-per-step", "2", "--group-size", "4", "--max-turns", "4", "--max-new-tokens", "8",
-                      "--steps", "3", "--eval-puzzles", "2"],
-            "full": ["--prompts-per-step", "4", "--group-size", "8", "--max-turns", "8", "--max-new-tokens", "32",
-                     "--steps", "5", "--eval-puzzles", "8"]}[size]
-    # rank 8 and no branch rollouts: the settings bench/README.md's tables were measured at (the
-    # recipe's branches and rank 32 since 2026-12-03 are costed by bench/visit_cost.py)
+    """A few real steps of the main job's step: the recipe (train.py's defaults: 4 puzzles x 8, 15
+    turns, 8-token replies, LoRA rank 32, branch rollouts), so the update's time is comparable to
+    the main job's; only the number of steps and the evaluation's size differ, with eval,
+    checkpoint and export every 2 steps. The tiny size, a smoke run, plays its one timed step
+    without branches on the first step's 4 puzzles again (--train-pool 4), some of which the warm
+    start solves some of the time, so that its groups get reward spread whatever the stream's next
+    puzzles are (a maze needs most of its 15 turns to be solved at all)."""
+    size = {"tiny": ["--train-pool", "4", "--branch-points-per-group", "0", "--steps", "2", "--eval-puzzles", "2",
+                     "--sampled-eval-samples", "1"],
+            "quick": ["--steps", "4", "--eval-puzzles", "2"],
+            "full": ["--steps", "5", "--eval-puzzles", "8"]}[size]
     return size + ["--eval-interval", "2", "--ckpt-interval", "2", "--export-interval", "2", "--progress", "false",
-                   "--resume", "none", "--lora-rank", "8", "--branch-points-per-group", "0"]
+                   "--resume", "none"]
 
 
 def run_train(nproc: int, args, out_dir: Path, threads: int | None = None) -> dict:
@@ -336,7 +389,7 @@ def run_train(nproc: int, args, out_dir: Path, threads: int | None = None) -> di
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
                "train.py"]
-    cmd += ["--out-dir", str(out_dir), *train_args(args.size)]
+    cmd += ["--model", args.model, "--out-dir", str(out_dir), *train_args(args.size)]
     threads = threads or args.threads
     environ = dict(os.environ, OMP_NUM_THREADS=str(threads))
     log(f"train: {nproc} process(es) of {threads} thread(s): {' '.join(cmd[1:])}")
@@ -347,18 +400,38 @@ def run_train(nproc: int, args, out_dir: Path, threads: int | None = None) -> di
         log(f"  train.py failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
         return {"nproc": nproc, "threads": threads, "failed": proc.returncode, "stderr_tail": proc.stderr[-2000:]}
     rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
-    return {"nproc": nproc, "threads": threads, "wall_s": wall, **summarise_train(rows, train_args(args.size))}
+    config = json.loads((out_dir / "config.json").read_text())  # the settings the run took, defaults included
+    return {"nproc": nproc, "threads": threads, "wall_s": wall, **summarise_train(rows, config)}
 
 
-def summarise_train(rows: list, train_argv: list) -> dict:
+def summarise_train(rows: list, config: dict) -> dict:
     """train.py's metrics rows, summarised: each timing it wrote (`timing_keys`) over the steps
-    after the first, the core step and episodes/s, the sync's share."""
+    after the first, the core step and episodes/s, the sync's share, and per step the share of
+    rows the update trained. `refused` (a reason) when a timed step trained none: its update_s
+    would time no backward pass, so the run's figures are not a training step's."""
     phases = timing_keys(rows)
+    missing = sorted({k for r in rows for k in (TRAINED_KEY, GRAD_NORM_KEY) if k not in r})
+    if missing:
+        raise KeyError(f"train.py's metrics.jsonl has no {missing}: bench/bench.py's TRAINED_KEY and GRAD_NORM_KEY "
+                       "must follow update.grpo_update's metrics")
     later = rows[1:]  # the first step pays for warm-up (compilation, first shapes)
-    flag = dict(zip(train_argv[::2], train_argv[1::2]))
-    episodes = int(flag["--prompts-per-step"]) * int(flag["--group-size"])
-    res = {"steps": len(rows), "episodes_per_step": episodes, "phases": phases,
-           "first_step": {k: rows[0].get(k) for k in phases}}
+    episodes = config["prompts_per_step"] * config["group_size"]
+    res = {"steps": len(rows), "episodes_per_step": episodes, "lora_rank": config["lora_rank"], "phases": phases,
+           "first_step": {k: rows[0].get(k) for k in phases},
+           "per_step": [{"step": r.get("step", i + 1), "trained_frac": r[TRAINED_KEY], "idle": r[GRAD_NORM_KEY] == 0,
+                         # every rank's sampled tokens the update ran (single pass; branch targets' are forced)
+                         "trained_sampled_tokens": r.get("mismatch_tokens"),
+                         "zero_variance_group_frac": r.get("zero_variance_group_frac"),
+                         "update_s": r.get("update_s")} for i, r in enumerate(rows)],
+           "trained_frac": summary([r[TRAINED_KEY] for r in later])}
+    # Refused when at least half the timed steps are idle: the median update_s is (or averages in)
+    # an idle step's, no update's time. A lone idle step stays in, shown by the rows-trained
+    # column's minimum: GRPO's own steps are sometimes idle, at 4 groups rarely.
+    idle = [p["step"] for p in res["per_step"][1:] if p["idle"]]
+    res["idle_steps"] = idle
+    if not later or 2 * len(idle) >= len(later):
+        res["refused"] = (f"step(s) {idle} of the {len(later)} timed trained no rows (every group's rewards equal, "
+                          "all advantages 0)" if later else "no step after the first to time")
     for k in phases:
         res[k] = summary([r.get(k) for r in later])
     for k in INTERVAL_KEYS:  # they run every 2 steps: their cost when they run
@@ -372,7 +445,11 @@ def summarise_train(rows: list, train_argv: list) -> dict:
     res["sync_bytes"] = rows[-1]["sync_bytes"]
     res["sync_share_of_core_step"] = summary([r[SYNC_KEY] / c for r, c in zip(later, core)])
     res["sync_share_of_step"] = summary([r[SYNC_KEY] / r[STEP_KEY] for r in later])
-    log(f"  core step {fmt(res['core_step_s'])} s, {fmt(res['episodes_per_s'])} episodes/s; phases {phases}")
+    log(f"  core step {fmt(res['core_step_s'])} s, {fmt(res['episodes_per_s'])} episodes/s, update "
+        f"{fmt(res['update_s'])} s, rows trained {[round(p['trained_frac'], 3) for p in res['per_step']]}, "
+        f"idle steps {idle}; phases {phases}")
+    if "refused" in res:
+        log(f"  REFUSED: {res['refused']}")
     return res
 
 
@@ -382,6 +459,11 @@ def bench_train(args) -> dict:
     the one process the second core (at --size tiny, 1 process only: the other runs would triple
     the smoke run's time and test nothing of bench's own)."""
     out = {"args": train_args(args.size), "threads_per_process": args.threads, "load_start": load()}
+    if args.model:
+        out["model"] = {"model": args.model, "built_s": None, "given": True}
+    else:
+        out["model"] = warm_start(args)
+        args.model = out["model"]["model"]
     with tempfile.TemporaryDirectory(prefix="bench-train-") as tmp:
         for nproc in (1,) if args.size == "tiny" else (1, 2):
             out[f"nproc_{nproc}"] = run_train(nproc, args, Path(tmp) / f"n{nproc}")
@@ -389,9 +471,10 @@ def bench_train(args) -> dict:
             out["nproc_1_threads_2"] = run_train(1, args, Path(tmp) / "n1t2", threads=2 * args.threads)
     one, two = out["nproc_1"], out.get("nproc_2", {"failed": "not run"})
     wide = out.get("nproc_1_threads_2", {"failed": "not run"})
-    if "failed" not in one and "failed" not in two:
+    usable = lambda x: "failed" not in x and "refused" not in x  # noqa: E731
+    if usable(one) and usable(two):
         out["scaling_2_vs_1"] = two["episodes_per_s"]["median"] / one["episodes_per_s"]["median"]
-    if "failed" not in wide and "failed" not in two:
+    if usable(wide) and usable(two):
         out["scaling_2_vs_1_with_the_threads"] = two["episodes_per_s"]["median"] / wide["episodes_per_s"]["median"]
     out["load_end"] = load()
     return out
@@ -597,9 +680,14 @@ def table(results: dict) -> str:
         columns = [(k[:-2].replace("_", " ") + (" (when run)" if k in INTERVAL_KEYS else ""),
                     k + "_when_run" if k in INTERVAL_KEYS else k) for k in phases]
         columns += [("step w/o " + "+".join(k[:-2] for k in INTERVAL_KEYS), "core_step_s"),
-                    ("episodes/s", "episodes_per_s")]
+                    ("episodes/s", "episodes_per_s"), ("rows trained (rank 0)", "trained_frac")]
+        model = t.get("model", {})
         lines += ["### Training step, phase by phase (seconds; steps after the first)", "",
-                  f"`train.py {' '.join(t['args'])}`, {t['threads_per_process']} thread(s) per process.", "",
+                  f"`train.py --model {model.get('model', '?')} {' '.join(t['args'])}`, "
+                  f"{t['threads_per_process']} thread(s) per process. Rows trained: the share of rank 0's "
+                  "sequences the update ran (those whose advantages were not all 0), median (min-max) over the "
+                  "timed steps; a run with half or more of them idle (nothing trained on any rank) is refused.",
+                  "",
                   "| processes x threads | " + " | ".join(name for name, _ in columns) + " |",
                   "| --- " * (len(columns) + 1) + "|"]
         for n in runs:
@@ -607,6 +695,9 @@ def table(results: dict) -> str:
             who = f"{x['nproc']} x {x.get('threads', t['threads_per_process'])}"
             if "failed" in x:
                 lines.append(f"| {who} | failed ({x['failed']}) |" + " |" * (len(columns) - 1))
+                continue
+            if "refused" in x:
+                lines.append(f"| {who} | refused: {x['refused']} |" + " |" * (len(columns) - 1))
                 continue
             lines.append(f"| {who} | " + " | ".join(fmt(x[key]) if key in x else "n/a" for _, key in columns) + " |")
         if "scaling_2_vs_1" in t:
@@ -619,8 +710,9 @@ def table(results: dict) -> str:
                   "| --- | --- | --- | --- |"]
         for n in [n for n in ("1", "2") if f"nproc_{n}" in t]:
             x = t[f"nproc_{n}"]
-            if "failed" not in x:
-                lines.append(f"| tiny model, rank 8, {n} process(es) | {x['sync_bytes']:.0f} | {fmt(x['sync_s'])} | "
+            if "failed" not in x and "refused" not in x:
+                lines.append(f"| tiny model, rank {x['lora_rank']}, {n} process(es) | {x['sync_bytes']:.0f} | "
+                             f"{fmt(x['sync_s'])} | "
                              f"{100 * x['sync_share_of_core_step']['median']:.2f}% |")
     if s := results.get("sync_8b"):
         if not results.get("train"):
@@ -653,7 +745,7 @@ RESULT_KEYS = {"coldstart": "coldstart", "train": "train", "sync": "sync_8b", "r
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", choices=["tiny", "quick", "full"], default="full",
-                        help="full (default, ~13 min), quick (small sizes, fewer repeats, a few minutes) or tiny "
+                        help="full (default, ~20 min), quick (small sizes, fewer repeats, a few minutes) or tiny "
                              "(every section at its smallest, once: a smoke run for the tests, no figures to keep)")
     parser.add_argument("--quick", action="store_true", help="the same as --size quick")
     parser.add_argument("--only", default="", help=f"comma-separated sections of {list(SECTIONS)}; default all")
@@ -662,6 +754,10 @@ def main():
                         help="torch threads per process, the same for both rollout loops and every child (default 1: "
                              "on a shared machine more threads than free cores made runs up to 30x slower)")
     parser.add_argument("--rollout-repeats", type=int, default=0, help="override the number of rollout repeats")
+    parser.add_argument("--model", default="",
+                        help="the training section's model; default: the main job's SFT warm start, built once into "
+                             ".cache/ (3-5 min on 2 cores) and reused. A model whose groups never get reward spread "
+                             "(the untrained tiny model) gets its runs refused")
     parser.add_argument("--timeout", type=int, default=1800, help="seconds allowed per child process")
     parser.add_argument("--out", default="", help="JSON path; default bench/results/<date>-<mode>.json")
     parser.add_argument("--coldstart-child", default=None, help=argparse.SUPPRESS)
@@ -696,6 +792,11 @@ def main():
     out.write_text(json.dumps(results, indent=1, default=float))
     print("\n" + table(results) + "\n")
     log(f"wrote {out} ({results['meta']['total_s']:.0f} s in all)")
+    refused = [f"{v['nproc']} x {v['threads']}: {v['refused']}" for k, v in results.get("train", {}).items()
+               if k.startswith("nproc_") and "refused" in v]
+    if refused:
+        print(f"bench: training runs refused, their updates trained nothing: {'; '.join(refused)}", file=sys.stderr)
+        sys.exit(3)
 
 
 if __name__ == "__main__":

@@ -1,10 +1,13 @@
 """bench/bench.py keeps running: every section at its smallest size (`--size tiny`), end to end,
 so that a metric train.py renames or drops, or a flag bench passes that train.py no longer
 takes, fails here instead of in the next person's benchmark (issue 45: `--quick` died on the
-`logprobs_s` the single-pass update stopped writing)."""
+`logprobs_s` the single-pass update stopped writing). And its training steps train: a step
+whose groups all scored alike runs no backward pass, and timing it times nothing (issue 60: the
+untrained model's steps were timed as training steps)."""
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -33,15 +36,54 @@ def test_the_train_flags_of_every_size_are_train_pys(size, tmp_path):
         cfg.validate(world)
 
 
+def metrics_row(step: int, trained: float, grad_norm: float) -> dict:
+    """A train.py metrics line with what bench's summary reads."""
+    return {"step": step, "step_s": 5.0, "eval_s": 0.0, "checkpoint_s": 0.0, "sync_s": 0.01, "update_s": 1.0,
+            "rollout_s": 3.0, "sync_bytes": 1.0, "trained_sequence_frac": trained, "grad_norm": grad_norm}
+
+
+CONFIG = {"prompts_per_step": 4, "group_size": 8, "lora_rank": 32}
+
+
+def test_a_run_whose_timed_steps_trained_nothing_is_refused():
+    """Idle steps (grad_norm 0: no rank trained a row) in half or more of the timed steps refuse the
+    run; one idle step of four stays in, and shows as the rows-trained minimum. The first step
+    (the calibration, which runs every sequence) is not timed, so its share does not count."""
+    bench = load_bench()
+    idle_after_the_first = [metrics_row(1, 1.0, 0.3)] + [metrics_row(s, 0.0, 0.0) for s in (2, 3, 4, 5)]
+    res = bench.summarise_train(idle_after_the_first, CONFIG)
+    assert res["idle_steps"] == [2, 3, 4, 5] and "trained no rows" in res["refused"]
+
+    half = [metrics_row(1, 1.0, 0.3), metrics_row(2, 0.5, 0.2), metrics_row(3, 0.0, 0.0), metrics_row(4, 0.25, 0.1),
+            metrics_row(5, 0.0, 0.0)]
+    assert "refused" in bench.summarise_train(half, CONFIG)
+
+    # rank 0 trained nothing at step 3, another rank did (the gradient, reduced over ranks, is not 0)
+    one = [metrics_row(1, 1.0, 0.3), metrics_row(2, 0.5, 0.2), metrics_row(3, 0.0, 0.1), metrics_row(4, 0.25, 0.1),
+           metrics_row(5, 0.0, 0.0)]
+    res = bench.summarise_train(one, CONFIG)
+    assert "refused" not in res and res["idle_steps"] == [5]
+    assert res["trained_frac"]["min"] == 0.0 and res["trained_frac"]["max"] == 0.5
+    assert [p["trained_frac"] for p in res["per_step"]] == [1.0, 0.5, 0.0, 0.25, 0.0]
+
+    with pytest.raises(KeyError, match="trained_sequence_frac"):
+        bench.summarise_train([{k: v for k, v in r.items() if k != "trained_sequence_frac"} for r in one], CONFIG)
+
+
 @pytest.mark.slow
-def test_every_section_runs_at_its_smallest_size(tiny_model, tmp_path):
+def test_every_section_runs_at_its_smallest_size(warm_start, tmp_path):
     """`bench.py --size tiny --profile`: the engine cold start (one fresh process), a 2-step
-    train.py run summarised from its metrics.jsonl, the 8B-shaped LoRA sync at rank 1, the vLLM
-    rollout against transformers with its profile, and the markdown table of all of it."""
+    train.py run from the warm start summarised from its metrics.jsonl, whose timed step trained
+    rows, the 8B-shaped LoRA sync at rank 1, the vLLM rollout against transformers with its
+    profile, and the markdown table of all of it. GRPO_TEST_WARM_START=<dir whose model/ is the
+    untrained tiny model> makes it fail: bench refuses the idle run and exits 3."""
+    bench = load_bench()
+    if not os.environ.get("GRPO_TEST_WARM_START"):  # bench's own warm start is this session's: one build
+        assert bench.warm_start_dir() / "model" == warm_start
     out = tmp_path / "bench.json"
     proc = subprocess.run([sys.executable, "bench/bench.py", "--size", "tiny", "--profile", "--threads", "1",
-                           "--timeout", "600", "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
-                          timeout=900)
+                           "--timeout", "600", "--model", str(warm_start), "--out", str(out)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     results = json.loads(out.read_text())
     assert {"coldstart", "train", "sync_8b", "rollout"} <= set(results)
@@ -59,6 +101,9 @@ def test_every_section_runs_at_its_smallest_size(tiny_model, tmp_path):
         assert run[k]["n"] == 1 and run[k]["median"] >= 0, (k, run[k])
     assert 0 < run["core_step_s"]["median"] <= run["step_s"]["median"]
     assert run["eval_s_when_run"]["n"] == 1 and run["checkpoint_s_when_run"]["n"] == 1  # step 2 ran both
+    # the timed step trained: rows, and their sampled tokens, went through the update
+    assert "refused" not in run and run["idle_steps"] == [], run["per_step"]
+    assert run["per_step"][1]["trained_frac"] > 0 and run["per_step"][1]["trained_sampled_tokens"] > 0, run["per_step"]
 
     assert results["sync_8b"]["rank"] == 1 and results["sync_8b"]["float32"]["write_s"]["n"] == 1
     rollout = results["rollout"]
@@ -71,5 +116,6 @@ def test_every_section_runs_at_its_smallest_size(tiny_model, tmp_path):
     for k in phases:
         if k != "step_s":
             assert f"| {k[:-2].replace('_', ' ')}" in header, (k, header)
+    assert "| rows trained (rank 0) |" in header
     for section in ("### Rollout", "### LoRA sync", "### Engine cold start"):
         assert section in proc.stdout
