@@ -101,8 +101,8 @@ class GRPOConfig:
                            meaningful=True)
     tis_cap: float = setting(2.0, "truncated importance sampling against the engine's logprobs; 0: off",
                              meaningful=True)
-    branch_points_per_group: int = setting(2, "branch rollouts (branch.py): per group, up to this many decision points its "
-                                              "members passed are replayed with every open move forced and the "
+    branch_points_per_group: int = setting(2, "branch rollouts (branch.py): per group, up to this many decision "
+                                              "points its members passed are replayed with every open move forced and the "
                                               "policy finishing each; the best branch's move becomes a target, "
                                               "L = -w log pi_T(a* | s). 0: off", meaningful=True)
     branch_weight: float = setting(8.0, "w, the advantage on a branch target's reply tokens (8: a group's worth)",

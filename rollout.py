@@ -302,10 +302,11 @@ def request_seed(run_seed: int, sample_id: int, turn: int) -> int:
 
 @dataclass(frozen=True)
 class Sampling:
-    """How the engine is asked for every reply of a batch of episodes, as one record. Each reply's seed is request_seed(seed, its
-    episode's sample id, its turn). With `max_images=k` only the last k user turns keep their
-    image (training_sequences then makes one sequence per turn). `min_new_tokens` forbids ending
-    a reply earlier (benchmarks set it to `max_new_tokens`: every reply the same length)."""
+    """How the engine is asked for every reply of a batch of episodes, as one record. Each reply's
+    seed is request_seed(seed, its episode's sample id, its turn). With `max_images=k` only the
+    last k user turns keep their image (training_sequences then makes one sequence per turn).
+    `min_new_tokens` forbids ending a reply earlier (benchmarks set it to `max_new_tokens`: every
+    reply the same length)."""
     temperature: float  # 0: greedy (no log-probs asked for)
     seed: int
     max_new_tokens: int

@@ -551,8 +551,8 @@ def eval_main(argv: list[str]):
     except ValueError as e:
         raise SystemExit(f"serve.py eval: {e}")
     try:
-        result = evaluate(args.url, args.model, task=args.task, difficulty=args.difficulty, n=args.n, max_turns=args.max_turns,
-                          max_new_tokens=args.max_new_tokens, max_images=args.max_images or None,
+        result = evaluate(args.url, args.model, task=args.task, difficulty=args.difficulty, n=args.n,
+                          max_turns=args.max_turns, max_new_tokens=args.max_new_tokens, max_images=args.max_images or None,
                           api_key=args.api_key, processor=args.processor, concurrency=args.concurrency)
     except AuthenticationError:
         raise SystemExit(f"{args.url}: 401, the server wants its API key (--api-key or $VLLM_API_KEY)")

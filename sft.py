@@ -185,7 +185,8 @@ def main():
                              "from each stream: many more layouts than 7x7's 135 training mazes, against memorising")
     parser.add_argument("--train-pool", type=int, default=0,
                         help="0: new training puzzles throughout; N: the first N over and over (a set to overfit)")
-    parser.add_argument("--noise", type=float, default=0.0, help="chance, per turn on the solver's way, of starting a detour")
+    parser.add_argument("--noise", type=float, default=0.0,
+                        help="chance, per turn on the solver's way, of starting a detour")
     parser.add_argument("--max-detour", type=int, default=3, help="longest detour, in actions off the way")
     parser.add_argument("--max-turns", type=int, default=15)
     parser.add_argument("--max-images", type=int, default=0, help="0: full image history (the walkthrough's format)")

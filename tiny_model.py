@@ -269,11 +269,12 @@ def heldout_accuracy(visual, head, image_processor, rng, task: str = "ours", n: 
 def pretrain_vision(visual, image_processor, *, steps: int = VISION_STEPS, batch_size: int = 16,
                     lr: float = 2e-3, warmup: int = 50, seed: int = 0, progress: bool = True,
                     task: str = "ours", curve_every: int = 0, curve: list | None = None) -> dict:
-    """Train `visual` (the model's vision tower) in place to see maze cells; return held-out accuracy.
+    """Train `visual` (the model's vision tower) in place to see the task's cells; return held-out accuracy.
 
     Task "ours": each batch mixes the 7x7, 9x9 and 11x11 sizes so one tower serves all of them.
     Task "visgym": VisGym's 9x9 mazes (its training stream, never an evaluation layout) in its
-    drawing. Task "sokoban": tasks/sokoban.py's training puzzles. Warm-up, clipping and a cosine decay to zero: at a constant 3e-3 the loss spiked now
+    drawing. Task "sokoban": tasks/sokoban.py's training puzzles, the player and the box placed at
+    random. Warm-up, clipping and a cosine decay to zero: at a constant 3e-3 the loss spiked now
     and then and undid what was learned.
 
     `curve_every` N > 0 appends the held-out accuracy after every N steps to `curve` (measured

@@ -223,7 +223,8 @@ def train_step(r: Run, step: int, stop: rundir.StopRequest) -> dict | None:
         r.engine, r.chat, [puzzles[i] for i in mine], [step * cfg.prompts_per_step + i for i in mine],
         rollout.Sampling.of(cfg), samples_per_task=cfg.group_size, lora_request=r.lora_request,
         desc=f"rollout@{step + 1}", progress=cfg.progress and rank == 0)
-    # and the decision points the groups passed, replayed with every legal action (branch.py; on by default for the tiny model)
+    # and the decision points the groups passed, replayed with every legal action (branch.py; the
+    # tiny model's recipe has it on)
     branch_experiences, branch_stats = branch.branch_step(cfg, r.engine, r.chat, episodes, r.lora_request)
     r.sleeper.sleep(r.engine)  # time-slicing: the engine gives the GPU to the trainer (--engine-sleep)
     timing["rollout_s"] = time.time() - t0
