@@ -3,7 +3,8 @@ so that a metric train.py renames or drops, or a flag bench passes that train.py
 takes, fails here instead of in the next person's benchmark (issue 45: `--quick` died on the
 `logprobs_s` the single-pass update stopped writing). And its training steps train: a step
 whose groups all scored alike runs no backward pass, and timing it times nothing (issue 60: the
-untrained model's steps were timed as training steps)."""
+untrained model's steps were timed as training steps). And bench/reading_path.py's counter counts
+what issue 59 defines, on a fake project small enough to count by hand."""
 
 import importlib.util
 import json
@@ -68,6 +69,99 @@ def test_a_run_whose_timed_steps_trained_nothing_is_refused():
 
     with pytest.raises(KeyError, match="trained_sequence_frac"):
         bench.summarise_train([{k: v for k, v in r.items() if k != "trained_sequence_frac"} for r in one], CONFIG)
+
+
+def load_reading_path():
+    spec = importlib.util.spec_from_file_location("bench_reading_path", ROOT / "bench" / "reading_path.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# A fake project for bench/reading_path.py's counter: a top-level file, one in tasks/, one in
+# bench/ (not the project's). Line numbers matter: the test names them.
+READING_TOP = """\
+def deco(f):
+    return f
+
+
+@deco
+@deco
+def outer(n):
+    def inner(x):
+        return x + 1
+    return [inner(i) for i in range(n)]
+
+
+def never_called():
+    return 0
+"""
+READING_TASK = """\
+def make():
+    def made(x):
+        y = x * 2
+        return y
+    return made
+
+
+def long_one():
+    total = 0
+""" + "    total += 1\n" * 60 + """\
+    return total
+"""
+READING_OTHER = """\
+def elsewhere(f):
+    return f(1)
+"""
+
+
+def test_the_reading_path_counter_counts_spans_once_and_statements_once(tmp_path):
+    """Functions entered, the union of their whole spans (decorators included; a nested function
+    inside an entered one adds nothing, one inside a function not entered counts its own) and the
+    distinct statements run, per project file; files outside the top level and tasks/ are not
+    counted though their code runs and calls project code."""
+    rp = load_reading_path()
+    modules = {}
+    for rel, text in (("top.py", READING_TOP), ("tasks/task.py", READING_TASK), ("bench/other.py", READING_OTHER)):
+        (tmp_path / rel).parent.mkdir(exist_ok=True)
+        (tmp_path / rel).write_text(text)
+        spec = importlib.util.spec_from_file_location(f"fake_{rel.replace('/', '_')[:-3]}", tmp_path / rel)
+        modules[rel] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(modules[rel])
+    made = modules["tasks/task.py"].make()  # made before the trace: its parent is never entered in it
+    with rp.StepTrace(tmp_path) as trace:
+        modules["top.py"].outer(3)
+        modules["bench/other.py"].elsewhere(made)
+        modules["bench/other.py"].elsewhere(made)  # twice: the same function and lines, once
+        modules["tasks/task.py"].long_one()
+    res = rp.summarise(trace.calls, trace.lines, tmp_path)
+
+    assert set(res["files"]) == {"top.py", "tasks/task.py"}
+    # top.py: outer (lines 5-10, from its first decorator; inner inside it adds nothing); its
+    # statements: def inner, return [...] (the comprehension's line too), inner's return
+    assert res["files"]["top.py"] == {"functions": 2, "lines": 6, "statements": 3, "code_objects": 3}
+    # tasks/task.py: made's own span (2-4) and long_one's (8-70); statements 3-4 and 9-70
+    assert res["files"]["tasks/task.py"] == {"functions": 2, "lines": 3 + 63, "statements": 2 + 62,
+                                            "code_objects": 2}
+    assert res["total"] == {"functions": 4, "lines": 72, "statements": 67, "code_objects": 5, "files": 2}
+    assert res["long_functions"] == [{"function": "long_one", "file": "tasks/task.py", "line": 8, "lines": 63}]
+    assert res["outside"] == []
+    assert "| **total** | **4** | **72** | **67** |" in rp.table("fake", res)
+    assert sys.gettrace() is None or sys.gettrace() is not trace._global  # the tracer is gone after the block
+
+
+@pytest.mark.parametrize("recipe", ["tiny", "qwen3-vl"])
+def test_the_reading_path_flags_are_train_pys(recipe, tmp_path):
+    """The flags reading_path.py gives train.py parse, validate, and keep the traced step 2 an
+    ordinary one: no evaluation, checkpoint or export on it, and not the run's last step."""
+    from config import parse_config
+
+    rp = load_reading_path()
+    cfg = parse_config(rp.train_argv(recipe, "", tmp_path, None))
+    cfg.apply_recipe(recipe)
+    cfg.validate(1)
+    assert min(cfg.eval_interval, cfg.ckpt_interval, cfg.export_interval) > 2 and cfg.steps > 2
+    assert cfg.branch_points_per_group == (0 if recipe == "qwen3-vl" else 2)
 
 
 @pytest.mark.slow
