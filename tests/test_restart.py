@@ -1,0 +1,86 @@
+"""torchrun restarts of a run of two processes, under launch/torchrun.sh (issue 58):
+
+- the process group forms again after a restart, whichever rank gets there first: with the store
+  torchrun's agent keeps across restarts, a restarted rank could read the dead attempt's gloo
+  address and connect to a closed port ("Gloo connectFullMesh failed ... Connection refused");
+- a random worker of two, killed at a random moment, several times in one run: every restart
+  resumes from the latest checkpoint, one metrics line per step, the maze stream of a run never
+  killed (experiments/restart_kills.py does the same many more times).
+"""
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+GROUP_TWICE = '''"""Stands in for train.py under a copy of launch/torchrun.sh (tests/test_restart.py): the
+project's process group (distributed.init_distributed), formed on torchrun's first attempt and
+again on its restart. Rank 1 dies after the first; on the restart rank 0 comes late, so rank 1
+looks up rank 0's address before rank 0 has written this attempt's."""
+import os, sys, time
+from datetime import timedelta
+sys.path.insert(0, {root!r})
+import torch, torch.distributed as dist
+import distributed
+
+distributed.backend = lambda on_gpu: {backend!r}
+init = dist.init_process_group  # a wrong address then fails in 30 s, not the default 30 min
+dist.init_process_group = lambda *args, **kwargs: init(*args, timeout=timedelta(seconds=30), **kwargs)
+attempt, rank = int(os.environ["TORCHELASTIC_RESTART_COUNT"]), int(os.environ["RANK"])
+if attempt == 1 and rank == 0:
+    time.sleep(3)
+distributed.init_distributed()
+sub = dist.new_group(backend="gloo")  # a second group's keys (wait_on_cpu's kind) in the same store
+sums = []
+for group in (None, sub):
+    x = torch.ones(1)
+    dist.all_reduce(x, group=group)
+    sums.append(int(x.item()))
+print(f"attempt {{attempt}} rank {{rank}}: sums {{sums}}", flush=True)
+if attempt == 0:
+    if rank == 1:
+        os._exit(9)
+    time.sleep(120)  # until torchrun stops it to restart the group
+dist.destroy_process_group()
+'''
+
+
+def kill_session(proc: subprocess.Popen):
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait(timeout=30)
+
+
+def launcher_running(where: Path, train_py: str) -> Path:
+    """A copy of launch/torchrun.sh beside a stand-in train.py; returns the launcher."""
+    (where / "launch").mkdir(parents=True)
+    (where / "launch" / "torchrun.sh").write_text((ROOT / "launch" / "torchrun.sh").read_text())
+    (where / "train.py").write_text(train_py)
+    return where / "launch" / "torchrun.sh"
+
+
+# "gloo": the CPU group; "cpu:gloo": the gloo half of the GPU group ("cpu:gloo,cuda:nccl", whose
+# NCCL half needs GPUs), under the same keys (default_pg/0//cpu//...)
+@pytest.mark.parametrize("backend", ["gloo", "cpu:gloo"])
+def test_the_group_forms_again_after_a_restart_when_the_peer_comes_late(tmp_path, backend):
+    launcher = launcher_running(tmp_path, GROUP_TWICE.format(root=str(ROOT), backend=backend))
+    environ = {**os.environ, "NPROC_PER_NODE": "2", "MAX_RESTARTS": "1", "OMP_NUM_THREADS": "1",
+               "PYTHON": sys.executable}
+    proc = subprocess.Popen(["bash", str(launcher)], cwd=tmp_path, env=environ, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        log, _ = proc.communicate(timeout=90)
+    finally:  # torchrun and its workers, whatever state they are in
+        kill_session(proc)
+    assert "connectFullMesh" not in log, log[-3000:]
+    assert proc.returncode == 0, log[-3000:]
+    for attempt in (0, 1):
+        for rank in (0, 1):
+            assert f"attempt {attempt} rank {rank}: sums [2, 2]" in log
