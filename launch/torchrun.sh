@@ -59,8 +59,9 @@ fi
 
 # torchrun forwards the signals it handles to its workers, then waits GRACE_S before SIGKILL.
 # SIGUSR1 (Slurm's --signal=USR1@<s>, launch/slurm.sbatch) is not among its defaults: without
-# it, torchrun itself would die of it and leave the workers no time.
-export TORCHELASTIC_SIGNALS_TO_HANDLE="${TORCHELASTIC_SIGNALS_TO_HANDLE:-SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1}"
+# it, torchrun itself would die of it and leave the workers no time. It goes in as a flag:
+# torchrun overwrites TORCHELASTIC_SIGNALS_TO_HANDLE with its --signals-to-handle, default or not.
+signals="SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
 export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="${GRACE_S:-${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-30}}"
 # A store of its own for every torchrun attempt. By default torchrun's agent hosts one store for
 # the whole job and gives every restart of the workers the same MASTER_PORT; their process groups
@@ -73,7 +74,10 @@ export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="${GRACE_S:-${TORCH_ELASTIC_SHUTDOWN_TIMEO
 # only its own failures, so after one node's failure the nodes would disagree.)
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
 
-cmd=("$PYTHON" -m torch.distributed.run --nproc-per-node "$NPROC_PER_NODE" --max-restarts "$MAX_RESTARTS")
+# torchrun itself, through launch/torchrun_main.py: a stop signal ends it with status 128 + signal
+# (what Slurm and Kubernetes read), not with torchrun's SignalException traceback and status 1
+cmd=("$PYTHON" launch/torchrun_main.py --nproc-per-node "$NPROC_PER_NODE" --max-restarts "$MAX_RESTARTS"
+     --signals-to-handle "$signals")
 if [ "$NNODES" = 1 ] && [ -z "$RDZV_ENDPOINT" ]; then
   cmd+=(--standalone)  # a rendezvous on a free local port (torchrun's --master-port 0 hangs)
 else

@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -61,7 +62,8 @@ def kill_session(proc: subprocess.Popen):
 def launcher_running(where: Path, train_py: str) -> Path:
     """A copy of launch/torchrun.sh beside a stand-in train.py; returns the launcher."""
     (where / "launch").mkdir(parents=True)
-    (where / "launch" / "torchrun.sh").write_text((ROOT / "launch" / "torchrun.sh").read_text())
+    for name in ("torchrun.sh", "torchrun_main.py"):
+        (where / "launch" / name).write_text((ROOT / "launch" / name).read_text())
     (where / "train.py").write_text(train_py)
     return where / "launch" / "torchrun.sh"
 
@@ -84,3 +86,46 @@ def test_the_group_forms_again_after_a_restart_when_the_peer_comes_late(tmp_path
     for attempt in (0, 1):
         for rank in (0, 1):
             assert f"attempt {attempt} rank {rank}: sums [2, 2]" in log
+
+
+STOPS_ON_A_SIGNAL = '''"""Stands in for train.py under a copy of launch/torchrun.sh (tests/test_restart.py): waits
+for a stop signal, then says so in one line (rank 0) and exits as train.py does, 128 + signal."""
+import os, signal, sys, time
+
+def stop(signum, frame):
+    time.sleep(1)  # a checkpoint's worth of work after the signal
+    if os.environ["RANK"] == "0":
+        print(f"stopped by {{signal.Signals(signum).name}}: the run's one line", flush=True)
+    sys.exit(128 + signum)
+
+for sig in (signal.SIGTERM, signal.SIGUSR1):
+    signal.signal(sig, stop)
+print("ready", flush=True)
+time.sleep(120)
+'''
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
+def test_a_stop_signal_to_the_launcher_ends_with_the_runs_line_and_128_plus_the_signal(tmp_path, sig):
+    """What Slurm (SIGUSR1 ahead of the time limit, SIGTERM on preemption) and Kubernetes (SIGTERM
+    to the pod) send to torchrun: it forwards the signal, its workers stop with their line, and it
+    exits 128 + signal after it, where torchrun alone raises SignalException (a traceback, status 1)."""
+    launcher = launcher_running(tmp_path, STOPS_ON_A_SIGNAL.format())
+    environ = {**os.environ, "NPROC_PER_NODE": "2", "OMP_NUM_THREADS": "1", "PYTHON": sys.executable}
+    log = tmp_path / "log.txt"
+    with open(log, "w") as f:
+        proc = subprocess.Popen(["bash", str(launcher)], cwd=tmp_path, env=environ, stdout=f,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.time() + 60
+        while log.read_text().count("ready") < 2 and time.time() < deadline and proc.poll() is None:
+            time.sleep(0.1)
+        assert log.read_text().count("ready") == 2, log.read_text()
+        os.kill(proc.pid, sig)  # bash exec'd torchrun: the launcher's pid is torchrun's
+        rc = proc.wait(timeout=30)
+    finally:
+        kill_session(proc)
+    text = log.read_text()
+    assert "Traceback" not in text and "SignalException" not in text, text
+    assert text.rstrip().splitlines()[-1] == f"stopped by {sig.name}: the run's one line", text
+    assert rc == 128 + sig
