@@ -9,6 +9,7 @@
 """
 
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -129,3 +130,45 @@ def test_a_stop_signal_to_the_launcher_ends_with_the_runs_line_and_128_plus_the_
     assert "Traceback" not in text and "SignalException" not in text, text
     assert text.rstrip().splitlines()[-1] == f"stopped by {sig.name}: the run's one line", text
     assert rc == 128 + sig
+
+
+def test_a_bare_torchrun_that_would_restart_into_its_shared_store_is_refused_in_one_line(monkeypatch):
+    """`torchrun --max-restarts N train.py` without launch/torchrun.sh: its agent's store is shared
+    across attempts (TORCHELASTIC_USE_AGENT_STORE=True), so a restart could fail as in issue 58;
+    the run says so and what to do before it forms a group. Without restarts, or alone, it starts."""
+    import distributed
+
+    torchrun_env = dict(RANK="1", LOCAL_RANK="1", WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                        MASTER_PORT="1", TORCHELASTIC_USE_AGENT_STORE="True", TORCHELASTIC_MAX_RESTARTS="3")
+    for name, value in torchrun_env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(SystemExit) as refused:
+        distributed.init_distributed()
+    said = str(refused.value)
+    assert "\n" not in said and "launch/torchrun.sh" in said and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in said
+    for harmless in (dict(TORCHELASTIC_MAX_RESTARTS="0"), dict(WORLD_SIZE="1"),
+                     dict(TORCHELASTIC_USE_AGENT_STORE="False")):  # the last: launch/torchrun.sh's
+        with monkeypatch.context() as m:
+            for name, value in harmless.items():
+                m.setenv(name, value)
+            distributed.check_restarts_can_meet()
+
+
+@pytest.mark.slow
+def test_a_random_worker_of_two_killed_at_random_moments_comes_back_every_time(tmp_path):
+    """launch/restart_check.py's check, twice in one run of two processes (its command line does it
+    20 times): a random worker, SIGKILLed at a random moment of an attempt (start-up included),
+    MAX_RESTARTS=2 so a failed restart fails the run; every restart that loads a checkpoint loads
+    `latest` as the killed attempt left it, and the run ends with status 0, one metrics line per
+    step and the maze stream of a run never killed. The draw's seed is printed (-s)."""
+    from launch.restart_check import RestartFailed, run_with_kills
+
+    seed = random.randrange(1 << 30)
+    print(f"\n[restart] seed {seed}")
+    try:
+        records = run_with_kills(tmp_path / "run", kills=2, rng=random.Random(seed), nproc=2, steps=6,
+                                 window_s=60, say=print)
+    except RestartFailed as e:
+        pytest.fail(f"seed {seed}: {e}")
+    assert [r["kill"] for r in records] == [1, 2]
+    print("[restart]", records)
