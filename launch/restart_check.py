@@ -1,19 +1,21 @@
 """Kills a random worker of a torchrun run at a random moment, again and again, and checks that
 torchrun's restart brings the run back every time (issue 58).
 
-    .venv/bin/python launch/restart_check.py --runs 20               # 20 runs of two processes, a kill each
-    .venv/bin/python launch/restart_check.py --kills 3               # one run, killed three times
-    .venv/bin/python launch/restart_check.py --nproc 1 --runs 3      # a world of one
+    .venv/bin/python launch/restart_check.py --runs 20                 # 20 runs of two processes, a kill each
+    .venv/bin/python launch/restart_check.py --runs 10 --during steps  # ... each kill in the training steps
+    .venv/bin/python launch/restart_check.py --kills 3 --during both   # one run, killed three times
+    .venv/bin/python launch/restart_check.py --nproc 1 --runs 3        # a world of one
 
 Each run is `launch/torchrun.sh` with NPROC_PER_NODE processes and MAX_RESTARTS equal to the
 kills, so a restart that fails uses up one the run needs and the run fails. For each kill: a
 worker of the current attempt drawn at random gets SIGKILL at a moment drawn uniformly from its
-first --window seconds (start-up included), or as the run logs its next-to-last step if that
+first --window seconds, start-up included (--during any), or from a step drawn at random among
+those the attempt has left (--during steps); or as the run logs its next-to-last step, if that
 comes first. Checked after each restart: it resumes from the checkpoint `latest` named when the
 killed attempt was gone (or starts afresh if there was none); after the run: status 0, one
-metrics line per step and the maze seeds of a run never killed. One line per kill (kill ->
-resumed, kill -> the first step after it, the finished steps done again), one per run; exit 1
-at the first failure, naming it, with the end of the run's log.
+metrics line per step and the maze seeds of a run never killed. One line per kill and per
+restart (kill -> resumed, kill -> its first step, the finished steps done again), one per run;
+exit 1 at the first failure, naming it, with the end of the run's log.
 """
 
 import argparse
@@ -101,10 +103,13 @@ def uninterrupted_seeds(out: Path, steps: int) -> tuple[list[list[int]], int]:
 
 def run_with_kills(out: Path, kills: int, rng: random.Random, nproc: int = 2, steps: int = 6,
                    window_s: float = 60.0, args: tuple[str, ...] = (), log: Path | None = None,
-                   say=print) -> list[dict]:
+                   say=print, during: tuple[str, ...] = ("any",)) -> list[dict]:
     """One run under launch/torchrun.sh, `kills` workers killed on the way; raises RestartFailed
     unless every restart resumes from `latest` and the run ends as one never killed. Returns a
-    record per kill (a restart that the next kill cut short has no times)."""
+    record per kill (a restart that the next kill cut short has no times). `during`, cycled over
+    the kills: "any" draws the moment from the attempt's first `window_s` seconds, start-up
+    included; "steps" from its training, after it has logged a step (and so has a checkpoint to
+    be restarted from at --ckpt-interval 1)."""
     log = log or out.with_name(out.name + ".log")
     environ = {**os.environ, "NPROC_PER_NODE": str(nproc), "MAX_RESTARTS": str(kills), "PYTHON": sys.executable}
     environ.setdefault("OMP_NUM_THREADS", "1")  # the processes share the machine's cores
@@ -136,9 +141,22 @@ def run_with_kills(out: Path, kills: int, rng: random.Random, nproc: int = 2, st
                                "the first attempt's workers", launcher, log))
         started = time.time()
         for k in range(1, kills + 1):
-            at = rng.uniform(0, window_s)  # into this attempt, start-up included
-            wait_for(lambda: observe() or time.time() - started >= at or len(metrics(out)) >= steps - 1,
-                     f"the moment of kill {k}", launcher, log)
+            near_end = lambda: len(metrics(out)) >= steps - 1  # noqa: E731  (the kill must not miss the run)
+            base = records[-1]["start"] if records else 0  # the step this attempt started from
+            if during[(k - 1) % len(during)] == "any" or base + 1 > steps - 1:
+                at = rng.uniform(0, window_s)  # into this attempt, start-up included
+                wait_for(lambda: observe() or time.time() - started >= at or near_end(),
+                         f"the moment of kill {k}", launcher, log)
+            else:  # "steps": in the step after one of this attempt's steps, drawn at random
+                after = rng.randint(base + 1, steps - 1)
+                wait_for(lambda: observe() or ((not records or records[-1]["first_step_s"] is not None)
+                                              and len(metrics(out)) >= after),
+                         f"step {after} of attempt {k - 1}", launcher, log)
+                at = rng.uniform(0, metrics(out)[-1]["step_s"])
+                pause = time.time()
+                wait_for(lambda: observe() or time.time() - pause >= at or near_end(),
+                         f"the moment of kill {k}", launcher, log)
+                at = time.time() - started
             victim = rng.choice(sorted(attempt))
             rank = local_rank(victim)
             os.kill(victim, signal.SIGKILL)
@@ -200,6 +218,9 @@ def main():
     parser.add_argument("--steps", type=int, default=6, help="steps per run")
     parser.add_argument("--window", type=float, default=60.0,
                         help="seconds into an attempt that its kill may come (start-up ~45 s here)")
+    parser.add_argument("--during", choices=["any", "steps", "both"], default="any",
+                        help="when a kill may come: any moment of an attempt (start-up included), during its "
+                             "training steps, or each in turn")
     parser.add_argument("--seed", type=int, default=0, help="draws which worker and when")
     parser.add_argument("--work-dir", default="runs/restart-check", help="run directories and logs (emptied)")
     parser.add_argument("--model", default="", help="the model (default: the tiny model)")
@@ -212,12 +233,14 @@ def main():
     for run in range(1, a.runs + 1):
         out = work / f"run{run}"
         shutil.rmtree(out, ignore_errors=True)
-        print(f"run {run}/{a.runs}: {a.nproc} process(es), {a.steps} steps, {a.kills} kill(s)", flush=True)
+        print(f"run {run}/{a.runs}: {a.nproc} process(es), {a.steps} steps, {a.kills} kill(s) during {a.during}",
+              flush=True)
         t = time.time()
         try:
             got = run_with_kills(out, a.kills, rng, a.nproc, a.steps, a.window,
                                  ("--model", a.model) if a.model else (),
-                                 say=lambda s: print(s, flush=True))
+                                 say=lambda s: print(s, flush=True),
+                                 during=("any", "steps") if a.during == "both" else (a.during,))
         except RestartFailed as e:
             raise SystemExit(f"run {run} FAILED after {len(records)} good kill(s): {e}")
         records += got

@@ -1,11 +1,13 @@
-"""torchrun restarts of a run of two processes, under launch/torchrun.sh (issue 58):
+"""torchrun restarts and stops of a run of two processes, under launch/torchrun.sh (issue 58):
 
-- the process group forms again after a restart, whichever rank gets there first: with the store
-  torchrun's agent keeps across restarts, a restarted rank could read the dead attempt's gloo
-  address and connect to a closed port ("Gloo connectFullMesh failed ... Connection refused");
-- a random worker of two, killed at a random moment, several times in one run: every restart
-  resumes from the latest checkpoint, one metrics line per step, the maze stream of a run never
-  killed (experiments/restart_kills.py does the same many more times).
+- the process group forms again after a restart, whichever rank gets there first (in the store
+  torchrun's agent shares across attempts, a restarted rank could read the dead attempt's gloo
+  address: "Gloo connectFullMesh failed ... Connection refused"), for the CPU group and for the
+  gloo half of the GPU group; a bare torchrun that would restart into that store is refused;
+- a random worker of two, killed at a random moment, twice in one run: every restart resumes
+  from the latest checkpoint, one metrics line per step, the maze stream of a run never killed
+  (launch/restart_check.py, which does the same as many times as asked);
+- a stop signal to the launcher ends with the run's one line and status 128 + signal.
 """
 
 import os
@@ -157,8 +159,9 @@ def test_a_bare_torchrun_that_would_restart_into_its_shared_store_is_refused_in_
 @pytest.mark.slow
 def test_a_random_worker_of_two_killed_at_random_moments_comes_back_every_time(tmp_path):
     """launch/restart_check.py's check, twice in one run of two processes (its command line does it
-    20 times): a random worker, SIGKILLed at a random moment of an attempt (start-up included),
-    MAX_RESTARTS=2 so a failed restart fails the run; every restart that loads a checkpoint loads
+    20 times): a random worker SIGKILLed at a random moment, first of the training steps (so the
+    restart has a checkpoint to resume from), then of the restarted attempt, its start-up included;
+    MAX_RESTARTS=2 so a failed restart fails the run. Every restart that loads a checkpoint loads
     `latest` as the killed attempt left it, and the run ends with status 0, one metrics line per
     step and the maze stream of a run never killed. The draw's seed is printed (-s)."""
     from launch.restart_check import RestartFailed, run_with_kills
@@ -167,7 +170,7 @@ def test_a_random_worker_of_two_killed_at_random_moments_comes_back_every_time(t
     print(f"\n[restart] seed {seed}")
     try:
         records = run_with_kills(tmp_path / "run", kills=2, rng=random.Random(seed), nproc=2, steps=6,
-                                 window_s=60, say=print)
+                                 window_s=60, say=print, during=("steps", "any"))
     except RestartFailed as e:
         pytest.fail(f"seed {seed}: {e}")
     assert [r["kill"] for r in records] == [1, 2]
