@@ -95,7 +95,7 @@ CASES = [
     ("a level the task does not have", ["train.py", "--task", "sokoban", "--difficulty", "small"],
      "difficulty must be one of sokoban's levels ['6x6']"),
     ("a task module that is not there", ["train.py", "--task", "nowhere:Task"], "task 'nowhere:Task' cannot be loaded"),
-    ("SFT of a task without a solver", ["sft.py", "--task", "tests.test_task_check:NoSolver", "--difficulty", "one"],
+    ("SFT of a task without a solver", ["sft.py", "--task", "tests.test_task_check:NoSolver", "--difficulty", "short"],
      "the task tests.test_task_check:NoSolver has no solver"),
     ("misspelt boolean", ["train.py", "--progress", "ture"],
      "bad config: argument --progress: Truthy value expected: got ture"),
