@@ -343,10 +343,7 @@ def token_logprobs(logits: Tensor, target_ids: Tensor, temperature: float = 1.0,
     log p(y) = z_y - logsumexp(z), z = (logits + bias) / temperature. Done one sequence at a time in
     float32 (bf16 logsumexp loses ~0.1 nats) so only one [T, V] float copy is live at once.
     """
-    bias = None
-    if logit_bias:
-        bias = torch.zeros(logits.shape[-1], dtype=torch.float32, device=logits.device)
-        bias[list(logit_bias)] = torch.tensor(list(logit_bias.values()), dtype=torch.float32, device=logits.device)
+    bias = bias_row(logit_bias, logits.shape[-1], logits.device)
     out = []
     for row_logits, row_targets in zip(logits, target_ids):
         z = row_logits.float() if bias is None else row_logits.float() + bias
@@ -354,6 +351,15 @@ def token_logprobs(logits: Tensor, target_ids: Tensor, temperature: float = 1.0,
         picked = z.gather(-1, row_targets.long().unsqueeze(-1)).squeeze(-1)
         out.append(picked - torch.logsumexp(z, dim=-1))
     return torch.stack(out) if out else logits.new_zeros(target_ids.shape, dtype=torch.float32)
+
+
+def bias_row(logit_bias: dict[int, float] | None, vocab: int, device) -> Tensor | None:
+    """A logit bias ({token id: added logit}) as one float32 row over the vocabulary; None for none."""
+    if not logit_bias:
+        return None
+    row = torch.zeros(vocab, dtype=torch.float32, device=device)
+    row[list(logit_bias)] = torch.tensor(list(logit_bias.values()), dtype=torch.float32, device=device)
+    return row
 
 
 LOGITS_CHUNK = 1024  # positions whose logits exist at once in chunked_token_logprobs (bench/sizing.py counts it)
@@ -373,10 +379,7 @@ def chunked_token_logprobs(hidden: Tensor, head_weight: Tensor, target_ids: Tens
     from torch.utils.checkpoint import checkpoint
 
     B, T, H = hidden.shape
-    bias = None
-    if logit_bias:
-        bias = torch.zeros(head_weight.shape[0], dtype=torch.float32, device=hidden.device)
-        bias[list(logit_bias)] = torch.tensor(list(logit_bias.values()), dtype=torch.float32, device=hidden.device)
+    bias = bias_row(logit_bias, head_weight.shape[0], hidden.device)
     flat_hidden, flat_targets = hidden.reshape(B * T, H), target_ids.reshape(B * T)
     parts = [checkpoint(_chunk_logprobs, flat_hidden[i:i + chunk], head_weight, flat_targets[i:i + chunk],
                         temperature, bias, use_reentrant=False)
