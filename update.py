@@ -165,17 +165,15 @@ def grpo_update(cfg, model, optimizer, scheduler, batch: Batch, experiences: lis
     """Mini-batches of episodes (one optimizer step each) of micro-batches of their sequences.
 
     Without old logprobs (single pass) the ratio is exp(logp - logp.detach()) = 1 with the
-    gradient of logp, and the rollout mismatch is measured on this very forward pass. Sequences
-    whose advantages are all 0 (every member of their group scored the same) are not run when
-    there is no KL term: their loss and gradient are exactly zero. They still count in the
-    normaliser, so the update is the same as if they had been run, only cheaper.
+    gradient of logp, and the rollout mismatch is measured on this very forward pass. Otherwise
+    (mini-batches, epochs or a KL term) pi_old, and pi_ref for the KL, are computed first, before
+    the first optimizer step moves the policy (fill_old_logprobs).
 
-    Otherwise (mini-batches, epochs or a KL term) pi_old, and pi_ref for the KL, are computed
-    first, before the first optimizer step moves the policy (fill_old_logprobs).
-
-    measure_every_sequence runs the zero-advantage sequences too (their gradient is still exactly
-    zero), so that the mismatch covers every sampled token: StalePolicyGuard's calibration step.
-    `reweight` (tis.TruncatedIS) gives each micro-batch's token weights; None: none."""
+    Sequences whose advantages are all 0 (every member of their group scored the same) are not
+    run when there is no KL term: their loss and gradient are exactly zero, and they still count
+    in the normaliser (Lockstep.mini_batches). measure_every_sequence runs them too, so that the
+    mismatch covers every sampled token: StalePolicyGuard's calibration step. `reweight`
+    (tis.TruncatedIS) gives each micro-batch's token weights; None: none."""
     lockstep = Lockstep(cfg, batch, device)
     if not single_pass(cfg):
         fill_old_logprobs(model, lockstep, experiences, with_ref=cfg.kl_coef > 0)
@@ -244,7 +242,8 @@ class Lockstep:
         """Yields each mini-batch's rows (the experiences of its episodes) and loss normaliser, epoch
         after epoch. Token-mean divides by the mini-batch's response tokens over ALL ranks (seq-mean
         by its sequences), then by world size since FSDP averages gradients. Rows whose advantages
-        are all 0 are then left out when there is no KL term, unless `every_sequence`."""
+        are all 0 are then left out when there is no KL term, unless `every_sequence`: the update
+        is the same as if they had been run, only cheaper."""
         cfg, per_mini = self.cfg, num_episodes // self.cfg.num_mini_batches
         for mb in [m for _ in range(cfg.ppo_epochs) for m in range(cfg.num_mini_batches)]:
             rows = [i for i, x in enumerate(experiences) if mb * per_mini <= x.episode < (mb + 1) * per_mini]
