@@ -36,6 +36,7 @@ def init_distributed() -> tuple[int, int, int]:
             port = s.getsockname()[1]
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    check_restarts_can_meet()
     on_gpu = torch.cuda.is_available()
     local_rank = int(os.environ["LOCAL_RANK"])
     if on_gpu:
@@ -45,6 +46,21 @@ def init_distributed() -> tuple[int, int, int]:
     else:
         dist.init_process_group(backend(on_gpu))
     return dist.get_rank(), dist.get_world_size(), local_rank
+
+
+def check_restarts_can_meet():
+    """Refuses a torchrun that restarts workers into the store it shares across attempts.
+
+    By default torchrun's agent hosts one store for the whole job and hands every attempt the same
+    MASTER_PORT (TORCHELASTIC_USE_AGENT_STORE=True), and each attempt's process group writes the
+    same keys into it (a rank's gloo address, NCCL's unique id). A restarted rank that looks before
+    its peer has written reads the dead attempt's value and fails to connect, or hangs (issue 58).
+    launch/torchrun.sh turns the sharing off, so that every attempt gets a store of its own."""
+    if (os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and int(os.environ.get("WORLD_SIZE", "1")) > 1
+            and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0) > 0):
+        raise SystemExit("torchrun restarts workers here into the store its agent shares across attempts, where a "
+                         "restarted rank can read a dead one's address and never connect: start it with "
+                         "launch/torchrun.sh, or export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 before torchrun")
 
 
 DOWNLOAD_TIMEOUT_S = 4 * 3600  # how long the other ranks wait while local rank 0 downloads the model

@@ -28,7 +28,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 start=$(date +%s)
-SOKOBAN_SFT_STEPS=1000  # in the 30-60% band: docs/experiments.md, 2026-12-06 (#56), Sokoban
+SOKOBAN_SFT_STEPS=1500  # in the 30-60% band: docs/experiments.md, 2026-12-06 (#56), Sokoban
 task="${TASK:-main}"
 case "$task" in
   main|visgym-easy|sokoban) ;;

@@ -59,11 +59,25 @@ fi
 
 # torchrun forwards the signals it handles to its workers, then waits GRACE_S before SIGKILL.
 # SIGUSR1 (Slurm's --signal=USR1@<s>, launch/slurm.sbatch) is not among its defaults: without
-# it, torchrun itself would die of it and leave the workers no time.
-export TORCHELASTIC_SIGNALS_TO_HANDLE="${TORCHELASTIC_SIGNALS_TO_HANDLE:-SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1}"
+# it, torchrun itself would die of it and leave the workers no time. It goes in as a flag:
+# torchrun overwrites TORCHELASTIC_SIGNALS_TO_HANDLE with its --signals-to-handle, default or not.
+signals="SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
 export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="${GRACE_S:-${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-30}}"
+# A store of its own for every torchrun attempt. By default torchrun's agent hosts one store for
+# the whole job and gives every restart of the workers the same MASTER_PORT; their process groups
+# write the same keys into it each time (a rank's gloo address, NCCL's unique id), so a restarted
+# rank that looks before its peer has written reads the dead attempt's value: "Gloo
+# connectFullMesh failed ... Connection refused", or a hang (issue 58; torch's env:// handler
+# assumes a new store per attempt, rendezvous.py, which the agent does not make). With sharing
+# off, every rendezvous round publishes a fresh port to every node and global rank 0 hosts a new
+# store there. (A prefix per TORCHELASTIC_RESTART_COUNT would not do: each node's agent counts
+# only its own failures, so after one node's failure the nodes would disagree.)
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
 
-cmd=("$PYTHON" -m torch.distributed.run --nproc-per-node "$NPROC_PER_NODE" --max-restarts "$MAX_RESTARTS")
+# torchrun itself, through launch/torchrun_main.py: a stop signal ends it with status 128 + signal
+# (what Slurm and Kubernetes read), not with torchrun's SignalException traceback and status 1
+cmd=("$PYTHON" launch/torchrun_main.py --nproc-per-node "$NPROC_PER_NODE" --max-restarts "$MAX_RESTARTS"
+     --signals-to-handle "$signals")
 if [ "$NNODES" = 1 ] && [ -z "$RDZV_ENDPOINT" ]; then
   cmd+=(--standalone)  # a rendezvous on a free local port (torchrun's --master-port 0 hangs)
 else
@@ -83,6 +97,7 @@ cmd+=(train.py "$@")
 if [ "${DRY_RUN:-0}" = 1 ]; then
   [ -n "${OMP_NUM_THREADS:-}" ] && echo "OMP_NUM_THREADS=$OMP_NUM_THREADS"
   echo "TORCH_ELASTIC_SHUTDOWN_TIMEOUT=$TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
+  echo "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=$TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
   printf '%q ' "${cmd[@]}"
   echo
   exit 0
