@@ -1,13 +1,13 @@
 """The policy a run publishes: the mean of its LoRA over the last steps (tail averaging).
 
-Between two evaluations of a GRPO run many held-out puzzles flip, solved to failed and back,
-while the count moves by a few: the greedy policy sits on near-ties that each update's noise tips
-one way or the other, so the last step's policy is a draw from the run's recent ones, not their
-best. The learning rate's decay to 0 (config.lr_schedule) quiets the last updates; averaging the
-policies of the last steps (Polyak-Ruppert tail averaging) removes more of the noise. How it
-compares with the last step's own policy is measured in docs/experiments.md; `--average-frac 0`
-publishes the last policy.
-Rollouts and updates stay on the current policy (on-policy); the average is what the run
+    tail = TailAverage(first_step, rank)
+    published, metrics = tail.after_step(step, lora_state)   # after every step: the policy to publish
+
+The greedy policy sits on near-ties that each update's noise tips one way or the other, so the last
+step's policy is one draw from the run's recent ones, not their best. The learning rate's decay to
+0 (config.lr_schedule) quiets the last updates; averaging the policies of the last steps
+(Polyak-Ruppert tail averaging) removes more of the noise; `--average-frac 0` publishes the last
+policy. Rollouts and updates stay on the current policy (on-policy); the average is what the run
 evaluates, exports and serves from the first step of its last `average_frac` on.
 
 A LoRA delta is s B A (s = PEFT's alpha / r, the same for every step of a run), so the mean of n
@@ -62,6 +62,14 @@ class TailAverage:
     def active(self, step: int) -> bool:
         """Whether the policy published after `step` is the average (else it is the current one)."""
         return step >= self.first_step and self.count > 0
+
+    def after_step(self, step: int, lora_state: dict) -> tuple[dict, dict]:
+        """The LoRA after step number `step` joins the mean once the tail has begun. Returns the
+        policy to publish (the mean once active, else `lora_state`) and the step's metric."""
+        if step < self.first_step:
+            return lora_state, {}
+        self.add(lora_state)
+        return self.state, {"average_dropped": self.dropped}
 
     def add(self, lora_state: dict):
         """M_n = trunc_r((n-1)/n M_{n-1} + 1/n B_n A_n), module by module."""

@@ -1,5 +1,7 @@
 """Branch rollouts: at the decision points a group passed, play every legal action and train toward the best.
 
+    targets, stats = branch_step(cfg, engine, chat, episodes, lora_request)   # extra Experiences
+
 GRPO learns a decision only when its group happens to disagree there, and it learns it least where
 the policy is confidently wrong: if all 8 members make the same wrong choice, the state gets
 exactly nothing. Branching makes the comparison on purpose. After a step's groups are played:
@@ -16,13 +18,13 @@ exactly nothing. Branching makes the comparison on purpose. After a step's group
                  discount of the step-level term, so a detour that still arrives is worth less).
     4. target    a* = argmax_a G(a), unless the best is tied (every branch failed, say): then none.
                  The point's state with a*'s reply is one extra training row whose only trained
-                 tokens are that reply, with advantage w (`branch_weight`): grpo.branch_target_advantages
-                 has the loss, L = -w log pi_T(a* | s), a cross-entropy toward the winning branch.
+                 tokens are that reply, with advantage w (`branch_weight`): target_advantages has
+                 the loss, L = -w log pi_T(a* | s), a cross-entropy toward the winning branch.
 
 Why a cross-entropy and not an advantage per branch: its gradient, (e_a* - pi_T) dz / T, vanishes
 once the policy agrees with the branches, so it spends the update on the states the policy gets
-wrong; an advantage on every forced action keeps pushing actions the policy has already ruled out
-(docs/experiments.md has the measurement). The branches continue with the policy, not a solver, so
+wrong; an advantage on every forced action keeps pushing actions the policy has already ruled out.
+The branches continue with the policy, not a solver, so
 G(a) is noisy where the policy errs later: the right action can lose to a wrong one that the policy
 happens to recover from, and then no target or a wrong one.
 
@@ -34,6 +36,8 @@ bench/visit_cost.py counts it per visit.
 
 import time
 from dataclasses import dataclass
+
+from torch import Tensor
 
 import env
 import grpo
@@ -52,6 +56,43 @@ class BranchPoint:
     branches: list  # the played branch episodes, in the order of `actions`
     returns: list  # G(a) = gamma^k R of each branch
     best: int | None  # index into actions of a*; None where the best return is tied
+
+
+def branch_return(turns_played: int, reward: float, gamma: float) -> float:
+    """A branch's return from its point: G = gamma^(k - 1) * R for a branch that played k turns
+    from the point on (the forced action included) and ended with the strict reward R, the same
+    discount as the step-level term's G_t (gigpo.discounted_returns with r = R at the last turn)."""
+    return gamma ** (turns_played - 1) * reward
+
+
+def best_branch(returns: list[float]) -> int | None:
+    """a* = argmax_a G_branch(a), the branch to train toward; None where the best is shared (every
+    branch failed, or two arrived equally fast) or failed (a point with one open move, a dead end
+    where a member stopped: its one branch is a target only if it succeeds, beating the stop's 0)."""
+    best = max(returns, default=0.0)
+    return returns.index(best) if best > 0 and returns.count(best) == 1 else None
+
+
+def target_advantages(response_mask: list[int], weight: float) -> Tensor:
+    """The advantage row of a branch point's target row: `weight` on its one trained reply.
+
+    The estimator is a cross-entropy toward the winning branch, at the sampling temperature T:
+        L_branch = -w * log pi_T(a* | s),   a* = argmax_a G_branch(a)
+        grad_z L_branch = -w * (e_a* - pi_T(. | s)) / T
+    which vanishes once the policy agrees (pi_T(a*) -> 1): it saturates, so it spends the update
+    on the states the policy gets wrong (an equal weight on every forced action does not).
+
+    How it enters policy_loss, unchanged: the row's trained tokens are the reply of a* (forced,
+    rollout log-prob NaN), each with A = w. In the single-pass update pi_old = pi.detach(), so the
+    ratio is exp(lp - lp.detach()) = 1 and per token L_j = -w * ratio_j has the gradient
+    -w * grad log pi_T(y_j | s, y_<j); summed over the reply's tokens y that is exactly
+    -w * grad log pi_T(a* | s). The token-mean normaliser N counts these tokens with the GRPO
+    rows' (the mini-batch's response tokens), so the mini-batch loss is
+        (1/N) [ sum_GRPO tokens A_t L_t  +  sum_targets sum_{j in reply} -w log pi_T(y_j) ]:
+    a target weighs as much as a sampled reply with advantage w. With mini-batches or epochs the
+    ratio leaves 1 and the clip caps it as for any A > 0 token. TIS gives forced tokens weight 1
+    and the mismatch meter skips them (sampled_mask): the engine never sampled them."""
+    return grpo.spread_over_replies(response_mask, [weight] * grpo.reply_count(response_mask))
 
 
 def choose_points(episodes: list, per_group: int) -> list[tuple[int, int]]:
@@ -101,8 +142,8 @@ def play_branches(cfg, engine, chat: rollout.ChatFormat, episodes: list, points:
     played = iter(branches)
     for point in found:
         point.branches = [next(played) for _ in point.actions]
-        point.returns = [grpo.branch_return(b.num_turns - point.turn, b.reward, cfg.gamma) for b in point.branches]
-        point.best = grpo.best_branch(point.returns)
+        point.returns = [branch_return(b.num_turns - point.turn, b.reward, cfg.gamma) for b in point.branches]
+        point.best = best_branch(point.returns)
     return found
 
 
@@ -117,9 +158,7 @@ def branch_step(cfg, engine, chat: rollout.ChatFormat, episodes: list, lora_requ
                 progress: bool = False) -> tuple[list, dict]:
     """The branch rollouts of one training step: the extra Experiences (one per point with a
     target, hung on its parent episode's index, so they go to that episode's mini-batch) and the
-    step's branch metrics. Nothing (and no engine call) when branch_points_per_group is 0."""
-    if not cfg.branch_points_per_group:
-        return [], {}
+    step's branch metrics. Called only with branch_points_per_group above 0."""
     start = time.time()
     points = play_branches(cfg, engine, chat, episodes, choose_points(episodes, cfg.branch_points_per_group),
                            lora_request, progress)
@@ -129,7 +168,7 @@ def branch_step(cfg, engine, chat: rollout.ChatFormat, episodes: list, lora_requ
         if p.best is None:
             continue
         seq = target_sequence(p.branches[p.best], p.turn, chat, max_images)
-        experiences.append(grpo.Experience(seq, grpo.branch_target_advantages(seq.response_mask, cfg.branch_weight),
+        experiences.append(grpo.Experience(seq, target_advantages(seq.response_mask, cfg.branch_weight),
                                              p.parent))
     played = [b for p in points for b in p.branches]
     targets = [p for p in points if p.best is not None]

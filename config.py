@@ -43,8 +43,7 @@ TINY_HIDDEN_SIZE = 1024  # a language model narrower than this is a tiny one (th
 QWEN3_VL_RECIPE = {
     # a real model's reply is a sentence, not one move
     "max_new_tokens": 32,
-    # branch rollouts lift the tiny main job (docs/experiments.md, 2026-12-03: +6.8 points against
-    # a branch-free control's +1.0); untried on a real model and a GPU: the published plain GRPO
+    # branch rollouts are untried on a real model and a GPU: the published recipe runs without them
     "branch_points_per_group": 0,
     # 48 puzzles a step divide among 1, 2, 3, 4, 6 (the published run's), 8, 12, 16, 24 and 48
     # processes (tests/test_config.py starts every documented launch command at its world size)
@@ -169,7 +168,7 @@ class RunConfig:
                                            "start and the end")
     sampled_eval_temperature: float = setting(1.0, "the sampled evaluation's temperature (1: the policy itself)")
     probe_states: int = setting(32, "held-out first turns on which each step measures how far the update moved "
-                                    "the policy (probe_kl, probe_flip_frac; evaluation.PolicyProbe), at least one per "
+                                    "the policy (probe_kl, probe_flip_frac; probe.PolicyProbe), at least one per "
                                     "process; 0: off")
     ckpt_interval: int = setting(50, "checkpoint every N steps (and at the end)")
     export_interval: int = setting(50, "write a servable adapter to <out_dir>/adapters every N steps (and at the end)")

@@ -1,4 +1,4 @@
-"""Greedy evaluation, through the chat API, and the per-step probe of how far an update moved.
+"""Greedy evaluation of held-out puzzles, through the chat API.
 
     result = evaluate_published(cfg, engine, chat, lora_request, tail, model, step, out, shared, run, base)
     serve.py eval: play_chat_episodes(tasks, http_replies, ...) -> eval_rows -> eval_result
@@ -10,7 +10,6 @@ sends the very same messages to the HTTP server. One code path, so the numbers a
 
 import base64
 import io
-import math
 from pathlib import Path
 
 import torch.distributed as dist
@@ -174,52 +173,3 @@ def evaluate_published(cfg, engine, chat, lora_request, tail: average.TailAverag
         return evaluate_run(cfg, engine, chat, request, step, out, task_class, run, last_iterate=lora_request)
     finally:
         engine.llm_engine.remove_lora(request.lora_int_id)
-
-
-class PolicyProbe:
-    """How far one update moved the policy, on fixed held-out states: the first turns of the
-    first `n` held-out puzzles, each with the reply begun up to where the task's actions part
-    (ChatFormat.action_prefix: `<answer>`), so that the next token is the action (the tiny model's
-    replies start with `<answer>` every time: the reply's own first token says nothing). After each
-    sync the engine gives its distribution over that token (the top `top` tokens); `measure`
-    returns, against the previous sync's, the mean KL(before || after) over the states and the
-    share of them whose most likely action changed (the greedy action flipped). Both distributions
-    are taken over the union of the two top-`top` sets, a token outside one's top set at that set's
-    smallest probability (an upper bound), renormalised: exact when the top sets hold nearly all
-    the mass, as an action does. Cheap: n prompts, one token each. (A real model's action may take
-    several tokens; its first is probed.)"""
-
-    def __init__(self, chat: rollout.ChatFormat, tasks: list, top: int = 20):
-        self.prompts = []
-        for task in tasks:
-            game = task.clone()
-            obs = game.reset()
-            turn = chat.open_turn(game.first_text(obs), obs.image, game)
-            self.prompts.append({"prompt_token_ids": turn.prompt_ids + chat.action_prefix(game),
-                                 "multi_modal_data": {"image": [obs.image]}})
-        self.top, self.banned, self.previous = top, chat.banned_token_ids, None
-
-    def distributions(self, engine, lora_request) -> list[dict] | None:
-        from vllm import SamplingParams
-
-        if not self.prompts:  # probe_states 0: off
-            return None
-        params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=self.top, detokenize=False,
-                                logit_bias=vllm_engine.sampling_logit_bias(self.banned))
-        outputs = engine.generate(self.prompts, params, lora_request=lora_request, use_tqdm=False)
-        return [{token: math.exp(lp.logprob) for token, lp in out.outputs[0].logprobs[0].items()} for out in outputs]
-
-    def measure(self, engine, lora_request) -> dict:
-        current, before = self.distributions(engine, lora_request), self.previous
-        self.previous = current
-        if before is None:
-            return {}
-        kls, flips = [], 0
-        for p, q in zip(before, current):
-            support = p.keys() | q.keys()
-            p_all = {t: p.get(t, min(p.values())) for t in support}
-            q_all = {t: q.get(t, min(q.values())) for t in support}
-            zp, zq = sum(p_all.values()), sum(q_all.values())
-            kls.append(sum(p_all[t] / zp * math.log((p_all[t] / zp) / (q_all[t] / zq)) for t in support))
-            flips += max(p, key=p.get) != max(q, key=q.get)
-        return {"probe_kl": sum(kls) / len(kls), "probe_flip_frac": flips / len(kls)}

@@ -1,7 +1,11 @@
 """GRPO math: finished episodes -> per-token advantages, the PPO-clip policy loss, KL, log-probs.
 
-    experiences, stats = episode_experiences(episodes, gamma=0.95, step_adv_weight=1.0)
+    turn_advantages, stats = episode_advantages(episodes)        # A^E of each episode, per turn
+    experiences = to_experiences(episodes, turn_advantages)       # per-token rows, one per sequence
     loss, metrics = policy_loss(logprobs, old_logprobs, advantages, response_mask, ...)
+
+GRPO's own math. The additions live in their own modules: GiGPO's step-level term (gigpo.py),
+truncated importance sampling (tis.py), branch rollouts' targets (branch.py).
 
 Everything here is plain tensor math with no model or engine in sight (an episode is read only
 for its rewards, the states it visited and its sequences' masks), so it can be read top to bottom
@@ -13,10 +17,6 @@ References
   Dr. GRPO   Liu et al. 2025, "Understanding R1-Zero-like Training" (arXiv:2503.20783), Sec. 3
   DAPO       Yu et al. 2025, "DAPO" (arXiv:2503.14476), Sec. 3.1 "Clip-Higher"
   k3 KL      Schulman 2020, "Approximating KL Divergence", http://joschu.net/blog/kl-approx.html
-  GiGPO      Feng et al. 2025, "Group-in-Group Policy Optimization for LLM Agent Training"
-             (arXiv:2505.10978), Sec. 3: step-level advantages from repeated states
-  TIS        Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL
-             Training" (blog post; verl's and SkyRL's truncated importance sampling)
 """
 
 from __future__ import annotations
@@ -77,43 +77,7 @@ def group_advantages(rewards: Tensor, group_ids: Tensor, scale_by_std: bool = Tr
     return adv.to(out_dtype), stats
 
 
-# ----------------------------------------------------------------------------- step-level advantages
-
-def discounted_returns(turn_rewards: list[float], gamma: float) -> list[float]:
-    """Return of each turn of an episode: G_t = sum_{k >= t} gamma^(k-t) * r_k.
-
-    With the strict reward alone (r_k = 0 except the last turn's R) this is G_t = gamma^(T-1-t) * R:
-    the same success is worth less the more turns it still takes, so a wasted turn (an action that
-    changes nothing) lowers every return before it."""
-    returns, running = [0.0] * len(turn_rewards), 0.0
-    for t in reversed(range(len(turn_rewards))):
-        running = turn_rewards[t] + gamma * running
-        returns[t] = running
-    return returns
-
-
-def step_advantages(returns: Tensor, anchor_ids: Tensor, scale_by_std: bool = True, eps: float = 1e-6) -> Tensor:
-    """GiGPO's step-level advantages (Feng et al. 2025, Sec. 3.2), one per turn.
-
-    The episodes of a group play the same puzzle, so they keep meeting the *same* states (the same
-    Task.state_key). Turns taken from the same state form an anchor group, and each
-    turn's discounted return is normalised within it, exactly like rewards within a GRPO group:
-        A^S_t = (G_t - mean_{anchor}(G)) / (std_{anchor}(G) + eps)
-    This compares actions taken in the very same situation, which the episode-level advantage
-    cannot: it gives one number to a dozen moves. Turns whose state no other turn shared, or whose
-    anchor group's returns are all equal, get exactly 0.
-
-    returns: float [N turns]; anchor_ids: long [N], equal for turns from the same state.
-    """
-    return group_advantages(returns, anchor_ids, scale_by_std, eps)[0]
-
-
-def turn_values(episode_advantage: float, step_advantages: list[float], weight: float) -> list[float]:
-    """GiGPO's combined advantage of each turn of one episode (Feng et al. 2025, Sec. 3):
-        A_t = A^E + w * A^S_t
-    w = 0 is plain GRPO: every turn carries the episode's advantage."""
-    return [episode_advantage + weight * a for a in step_advantages]
-
+# ----------------------------------------------------------------------------- per-turn values on reply tokens
 
 def reply_spans(response_mask: list[int]) -> list[tuple[int, int]]:
     """[start, end) of each reply (run of 1s) in a response mask, in order."""
@@ -160,41 +124,28 @@ class Experience:
     ref_logprobs: Tensor | None = None  # [len - 1] log pi_ref, for the KL term
 
 
-def episode_experiences(episodes: list, *, gamma: float, step_adv_weight: float,
-                        scale_by_std: bool = True) -> tuple[list[Experience], dict]:
-    """This rank's finished episodes -> one Experience per training sequence, and the step's stats.
-
-    1. The episode advantage A^E_i: the strict reward R_i (1 for success, else 0)
-       normalised within its group (a group's episodes are all on this rank).
-    2. The step-level advantage A^S_t (GiGPO): each turn's discounted return
-       G_t = gamma^(T-1-t) * R_i normalised within its anchor group, the turns taken from the same
-       state (state key) of the same puzzle. A group's episodes are all played on one rank, so anchor groups
-       never span ranks.
-    3. Every token of reply t carries A_t = A^E_i + w * A^S_t (turn_values, spread_over_replies).
-    """
+def episode_advantages(episodes: list, scale_by_std: bool = True) -> tuple[list[list[float]], dict]:
+    """A^E_i, each episode's strict reward R_i (1 for success, else 0) normalised within its group
+    (a group's episodes are all on this rank), once for every turn it played: the advantage each
+    token of that turn's reply carries (GiGPO adds its step-level term to these: gigpo.py). And the
+    step's reward statistics."""
     rewards = torch.tensor([float(e.reward) for e in episodes])
-    episode_adv, stats = group_advantages(rewards, torch.tensor([e.group_id for e in episodes]),
-                                          scale_by_std=scale_by_std)
-    returns, anchors, anchor_ids = [], [], {}  # (group, state key) -> its anchor group's id
-    for e in episodes:
-        returns += discounted_returns([0.0] * (e.num_turns - 1) + [e.reward], gamma)
-        anchors += [anchor_ids.setdefault((e.group_id, t.key), len(anchor_ids)) for t in e.played]
-    step_adv = torch.zeros(len(returns), dtype=torch.float64)
-    if step_adv_weight > 0 and returns:
-        step_adv = step_advantages(torch.tensor(returns, dtype=torch.float64), torch.tensor(anchors),
-                                   scale_by_std=scale_by_std)
-    experiences, first_turn = [], 0
-    for i, e in enumerate(episodes):
-        values = turn_values(float(episode_adv[i]), step_adv[first_turn:first_turn + e.num_turns].tolist(),
-                             step_adv_weight)
-        first_turn += e.num_turns
+    advantages, stats = group_advantages(rewards, torch.tensor([e.group_id for e in episodes]),
+                                         scale_by_std=scale_by_std)
+    stats.pop("reward_mean")  # the rollout's own metrics report it
+    return [[float(a)] * e.num_turns for a, e in zip(advantages, episodes)], stats
+
+
+def to_experiences(episodes: list, turn_advantages: list[list[float]]) -> list[Experience]:
+    """One Experience per training sequence of this rank's episodes: every token of episode i's
+    reply t carries turn_advantages[i][t] (spread_over_replies)."""
+    experiences = []
+    for i, (e, values) in enumerate(zip(episodes, turn_advantages)):
         for seq in e.sequences:  # an episode's sequences hold its replies in order
             n = reply_count(seq.response_mask)
             experiences.append(Experience(seq, spread_over_replies(seq.response_mask, values[:n]), i))
             values = values[n:]
-    stats.pop("reward_mean")  # the rollout's own metrics report it
-    stats["step_adv_nonzero_frac"] = (step_adv != 0).double().mean().item() if step_adv.numel() else 0.0
-    return experiences, stats
+    return experiences
 
 
 # ----------------------------------------------------------------------------- per-token math
@@ -218,29 +169,16 @@ def kl_k3(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
 def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, response_mask: Tensor,
                 clip_eps_low: float = 0.2, clip_eps_high: float = 0.2, aggregation: str = "token-mean",
                 loss_normalizer: float | Tensor | None = None, ref_logprobs: Tensor | None = None,
-                kl_coef: float = 0.0, rollout_logprobs: Tensor | None = None,
-                tis_cap: float = 0.0) -> tuple[Tensor, dict]:
-    """GRPO's clipped surrogate loss (to minimise) and detached float metrics.
+                kl_coef: float = 0.0, token_weights: Tensor | None = None) -> tuple[Tensor, dict]:
+    """GRPO's clipped surrogate loss (to minimise) and detached float metrics (IDLE_METRICS's keys).
 
     logprobs (with grad), old_logprobs, response_mask, ref_logprobs: [B, T];
     advantages: [B], one per sequence, broadcast over its tokens, or [B, T], one per token
     (per-turn advantages: each reply's tokens carry that turn's value). response_mask is 1 on
     tokens the policy generated, 0 on prompt / tool-observation / padding positions; those
-    contribute exactly nothing, even if their log-probs are nan or inf.
-
-    aggregation
-      "token-mean": sum over all masked tokens / loss_normalizer. The default normaliser is
-          this call's masked-token count. For gradient accumulation pass the masked-token
-          count of the whole mini-batch (all micro-batches, all ranks): the micro-batch
-          losses then *sum* to exactly the mini-batch token mean (DAPO Sec. 3.3). Note that
-          DDP/FSDP *average* gradients over ranks, so there pass count / world_size (or scale
-          the loss by world_size). A constant normaliser (e.g. B * max_len) gives Dr. GRPO's
-          length-unbiased sum (Liu et al. 2025, Sec. 3.1).
-      "seq-mean": mean over each sequence's masked tokens, then sum over sequences /
-          loss_normalizer (default B) -- the original GRPO objective (Shao et al. Eq. 3).
-
-    rollout_logprobs with tis_cap > 0: truncated importance sampling (TIS) for the gap between the
-    engine that sampled and the trainer (different kernels; bf16 on a GPU), see below.
+    contribute exactly nothing, even if their log-probs are nan or inf. `aggregation` and
+    `loss_normalizer`: aggregate_loss. `token_weights` [B, T] (no gradient) multiply each token's
+    policy-gradient term: truncated importance sampling's (tis.py).
     """
     mask = response_mask.bool()
     zero = torch.zeros_like(logprobs)
@@ -260,13 +198,8 @@ def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, resp
     surr_unclipped = ratio * A
     surr_clipped = torch.clamp(ratio, 1 - clip_eps_low, 1 + clip_eps_high) * A
     per_token = -torch.minimum(surr_unclipped, surr_clipped)
-
-    # Truncated importance sampling against the engine that sampled (tis_weights): L_t <- w_t * L_t.
-    tis_weight = None
-    if rollout_logprobs is not None and tis_cap > 0:
-        sampled = sampled_mask(mask, rollout_logprobs)
-        tis_weight, raw_weight = tis_weights(old, rollout_logprobs, sampled, tis_cap)
-        per_token = tis_weight * per_token
+    if token_weights is not None:
+        per_token = token_weights * per_token  # L_t <- w_t * L_t
     pg_per_token = per_token
 
     kl = None
@@ -288,33 +221,26 @@ def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, resp
             "ratio_mean": masked_mean(ratio, mask).item(),
             "kl": masked_mean(kl, mask).item() if kl is not None else 0.0,
             "pg_loss": aggregate_loss(pg_per_token, mask, aggregation, loss_normalizer).item(),
-            "tis_weight_mean": masked_mean(tis_weight, sampled).item() if tis_weight is not None and sampled.any()
-            else 1.0,
-            "tis_capped_frac": ((raw_weight > tis_cap) & sampled).sum().item() / max(sampled.sum().item(), 1)
-            if tis_weight is not None else 0.0,
         }
     return loss, metrics
 
 
-def tis_weights(old_logprobs: Tensor, rollout_logprobs: Tensor, sampled: Tensor, cap: float) -> tuple[Tensor, Tensor]:
-    """Truncated importance sampling (Yao et al. 2025, "Your Efficient RL Framework Secretly Brings
-    You Off-Policy RL Training"; verl's and SkyRL's TIS): the capped weights and the raw ones, [B, T].
-
-    The tokens were sampled by the engine, pi_rollout, not by the trainer's pi_old: their numerics
-    differ (on a GPU, bf16 with other kernels: |log pi_old - log pi_rollout| ~ 1e-3..1e-2). Each
-    token's loss is reweighted by
-        w_t = min( pi_old(o_t) / pi_rollout(o_t) , C ),   L_t <- w_t * L_t
-    w is a constant (no gradient); the cap C bounds the variance a few outlier tokens could add.
-    On a CPU in fp32 the two agree to ~1e-7, so w = 1 to about 1e-6. A token outside `sampled`
-    (rollout log-prob NaN: a branch's forced reply, never sampled) gets w = 1."""
-    rollout = torch.where(sampled, rollout_logprobs.detach().to(old_logprobs.dtype), old_logprobs)
-    raw = torch.exp(old_logprobs - rollout)
-    return torch.clamp(raw, max=cap), raw
+# What policy_loss's metrics read in a step that trains no token: the ratio at 1, the rest at 0.
+IDLE_METRICS = {"clip_frac": 0.0, "ratio_mean": 1.0, "kl": 0.0, "pg_loss": 0.0}
 
 
 def aggregate_loss(per_token: Tensor, mask: Tensor, aggregation: str,
                    loss_normalizer: float | Tensor | None = None) -> Tensor:
-    """The loss from its per-token terms L_it (policy_loss's `aggregation`); masked tokens count 0."""
+    """The loss from its per-token terms L_it; masked tokens count 0.
+
+    "token-mean": sum over all masked tokens / loss_normalizer. The default normaliser is this
+        call's masked-token count. For gradient accumulation pass the masked-token count of the
+        whole mini-batch (all micro-batches, all ranks): the micro-batch losses then *sum* to
+        exactly the mini-batch token mean (DAPO Sec. 3.3). DDP/FSDP *average* gradients over
+        ranks, so there pass count / world_size. A constant normaliser (e.g. B * max_len) gives
+        Dr. GRPO's length-unbiased sum (Liu et al. 2025, Sec. 3.1).
+    "seq-mean": mean over each sequence's masked tokens, then sum over sequences / loss_normalizer
+        (default B): the original GRPO objective (Shao et al. Eq. 3)."""
     x = torch.where(mask, per_token, torch.zeros_like(per_token))
     if aggregation == "token-mean":
         # L = sum_{i,t} m_it L_it / N_tokens
@@ -343,10 +269,7 @@ def token_logprobs(logits: Tensor, target_ids: Tensor, temperature: float = 1.0,
     log p(y) = z_y - logsumexp(z), z = (logits + bias) / temperature. Done one sequence at a time in
     float32 (bf16 logsumexp loses ~0.1 nats) so only one [T, V] float copy is live at once.
     """
-    bias = None
-    if logit_bias:
-        bias = torch.zeros(logits.shape[-1], dtype=torch.float32, device=logits.device)
-        bias[list(logit_bias)] = torch.tensor(list(logit_bias.values()), dtype=torch.float32, device=logits.device)
+    bias = bias_row(logit_bias, logits.shape[-1], logits.device)
     out = []
     for row_logits, row_targets in zip(logits, target_ids):
         z = row_logits.float() if bias is None else row_logits.float() + bias
@@ -354,6 +277,15 @@ def token_logprobs(logits: Tensor, target_ids: Tensor, temperature: float = 1.0,
         picked = z.gather(-1, row_targets.long().unsqueeze(-1)).squeeze(-1)
         out.append(picked - torch.logsumexp(z, dim=-1))
     return torch.stack(out) if out else logits.new_zeros(target_ids.shape, dtype=torch.float32)
+
+
+def bias_row(logit_bias: dict[int, float] | None, vocab: int, device) -> Tensor | None:
+    """A logit bias ({token id: added logit}) as one float32 row over the vocabulary; None for none."""
+    if not logit_bias:
+        return None
+    row = torch.zeros(vocab, dtype=torch.float32, device=device)
+    row[list(logit_bias)] = torch.tensor(list(logit_bias.values()), dtype=torch.float32, device=device)
+    return row
 
 
 LOGITS_CHUNK = 1024  # positions whose logits exist at once in chunked_token_logprobs (bench/sizing.py counts it)
@@ -373,10 +305,7 @@ def chunked_token_logprobs(hidden: Tensor, head_weight: Tensor, target_ids: Tens
     from torch.utils.checkpoint import checkpoint
 
     B, T, H = hidden.shape
-    bias = None
-    if logit_bias:
-        bias = torch.zeros(head_weight.shape[0], dtype=torch.float32, device=hidden.device)
-        bias[list(logit_bias)] = torch.tensor(list(logit_bias.values()), dtype=torch.float32, device=hidden.device)
+    bias = bias_row(logit_bias, head_weight.shape[0], hidden.device)
     flat_hidden, flat_targets = hidden.reshape(B * T, H), target_ids.reshape(B * T)
     parts = [checkpoint(_chunk_logprobs, flat_hidden[i:i + chunk], head_weight, flat_targets[i:i + chunk],
                         temperature, bias, use_reentrant=False)
@@ -418,42 +347,3 @@ def logprob_mismatch(trainer_logprobs: Tensor, rollout_logprobs: Tensor, respons
         "mismatch_abs_max": diff.max().item() if diff.numel() else 0.0,  # masked entries are 0
         "mismatch_k3": masked_mean(kl_k3(t, r), mask).item(),
     }
-
-
-# ----------------------------------------------------------------------------- branch rollouts
-
-def branch_return(turns_played: int, reward: float, gamma: float) -> float:
-    """A branch's return from its point: G = gamma^(k - 1) * R for a branch that played k turns
-    from the point on (the forced action included) and ended with the strict reward R, the same
-    discount as the step-level term's G_t (discounted_returns with r = R at the last turn)."""
-    return gamma ** (turns_played - 1) * reward
-
-
-def best_branch(returns: list[float]) -> int | None:
-    """a* = argmax_a G_branch(a), the branch to train toward; None where the best is shared (every
-    branch failed, or two arrived equally fast) or failed (a point with one open move, a dead end
-    where a member stopped: its one branch is a target only if it succeeds, beating the stop's 0)."""
-    best = max(returns, default=0.0)
-    return returns.index(best) if best > 0 and returns.count(best) == 1 else None
-
-
-def branch_target_advantages(response_mask: list[int], weight: float) -> Tensor:
-    """The advantage row of a branch point's target row (branch.py): `weight` on its one trained reply.
-
-    The estimator is a cross-entropy toward the winning branch, at the sampling temperature T:
-        L_branch = -w * log pi_T(a* | s),   a* = argmax_a G_branch(a)
-        grad_z L_branch = -w * (e_a* - pi_T(. | s)) / T
-    which vanishes once the policy agrees (pi_T(a*) -> 1): it saturates, so it spends the update
-    on the states the policy gets wrong (an equal weight on every forced action does not).
-
-    How it enters policy_loss, unchanged: the row's trained tokens are the reply of a* (forced,
-    rollout log-prob NaN), each with A = w. In the single-pass update pi_old = pi.detach(), so the
-    ratio is exp(lp - lp.detach()) = 1 and per token L_j = -w * ratio_j has the gradient
-    -w * grad log pi_T(y_j | s, y_<j); summed over the reply's tokens y that is exactly
-    -w * grad log pi_T(a* | s). The token-mean normaliser N counts these tokens with the GRPO
-    rows' (the mini-batch's response tokens), so the mini-batch loss is
-        (1/N) [ sum_GRPO tokens A_t L_t  +  sum_targets sum_{j in reply} -w log pi_T(y_j) ]:
-    a target weighs as much as a sampled reply with advantage w. With mini-batches or epochs the
-    ratio leaves 1 and the clip caps it as for any A > 0 token. TIS gives forced tokens weight 1
-    and the mismatch meter skips them (sampled_mask): the engine never sampled them."""
-    return spread_over_replies(response_mask, [weight] * reply_count(response_mask))

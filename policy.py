@@ -218,11 +218,6 @@ class Batch:
     def length(self, i: int) -> int:
         return len(self.sequences[i].token_ids)
 
-    def _key(self, image) -> str:
-        if id(image) not in self._keys:
-            self._keys[id(image)] = rollout.image_digest(image)
-        return self._keys[id(image)]
-
     def _pixel_values(self, key: str, image):
         if key not in self._pixels:
             v = self.processor.image_processor(images=[image], return_tensors="pt")
@@ -256,7 +251,8 @@ class Batch:
             ids[row, :n] = torch.tensor(s.token_ids)
             mask[row, :n] = torch.tensor(s.response_mask, dtype=torch.float32)
             rollout_lp[row, :n] = torch.tensor(s.rollout_logprobs)
-        images = [(self._key(image), image) for s in seqs for image in s.images]
+        images = [image for s in seqs for image in s.images]
+        images = list(zip(rollout.image_digests(images, self._keys), images))
         pixels = [self._pixel_values(key, image) for key, image in images]
         inputs = dict(
             input_ids=ids.to(device),

@@ -357,68 +357,73 @@ def play_turns(engine, chat: ChatFormat, episodes: list, forced: list, sampling:
     out (grpo.sampled_mask). Each reply's seed is request_seed(seed, sample_id, its turn index).
     Once all have ended, each episode's training sequences are built from its turns.
     """
-    from vllm import SamplingParams
-
-    # id(image) -> content digest, computed once per image (the episodes keep the images alive)
-    images_by_id = {id(t.image): t.image for e in episodes for t in e.turns}  # branches share their parent's
-    digests = {key: image_digest(image) for key, image in images_by_id.items()}
-
-    no_vision_tokens = sampling_logit_bias(chat.banned_token_ids)
     forced = [list(replies) for replies in forced]  # consumed below; the caller's lists stay as they are
-
-    max_images = sampling.max_images
-
-    def sampling_params(episode: Episode, turn: int):
-        # detokenize=False: the engine returns token ids only; we decode each reply once, below
-        common = dict(max_tokens=sampling.max_new_tokens, min_tokens=sampling.min_new_tokens,
-                      logit_bias=no_vision_tokens, detokenize=False)
-        if sampling.temperature == 0.0:
-            return SamplingParams(temperature=0.0, **common)
-        return SamplingParams(temperature=sampling.temperature, logprobs=0,
-                              seed=request_seed(sampling.seed, episode.sample_id, turn), **common)
-
+    digests = {}  # id(image) -> its content digest, computed once (the episodes keep the images alive)
     bar = tqdm(total=len(episodes), desc=desc, unit="ep", disable=not progress, leave=False)
     while active := [i for i, e in enumerate(episodes) if not e.ended]:
-        prompts = {}
-        for i in active:
-            ids, images = episodes[i].next_prompt(max_images)
-            prompts[i] = {"prompt_token_ids": ids, "multi_modal_data": {"image": images},
-                          "multi_modal_uuids": {"image": [digests[id(image)] for image in images]}}
-        sampled = [i for i in active if not forced[i]]
-        outputs = dict(zip(sampled, engine.generate(
-            [prompts[i] for i in sampled], [sampling_params(episodes[i], episodes[i].num_turns) for i in sampled],
-            lora_request=lora_request, use_tqdm=False))) if sampled else {}
-        replies = {i: list(outputs[i].outputs[0].token_ids) if i in outputs else list(forced[i].pop(0))
-                   for i in active}
-        texts = dict(zip(active, decode_replies(chat.tokenizer, [replies[i] for i in active])))
-        for i in active:
-            episode, reply_ids = episodes[i], replies[i]
-            reply_logprobs = [NO_LOGPROB] * len(reply_ids)  # a forced reply: the engine sampled none
-            if i in outputs:
-                completion = outputs[i].outputs[0]
-                # vLLM expands the image placeholders exactly as training_sequences does
-                assert list(outputs[i].prompt_token_ids) == chat.expand(
-                    prompts[i]["prompt_token_ids"], prompts[i]["multi_modal_data"]["image"]), "expansion differs"
-                reply_logprobs = ([lp[t].logprob for lp, t in zip(completion.logprobs, reply_ids)]
-                                  if completion.logprobs is not None else [0.0] * len(reply_ids))  # greedy: none asked
-                episode.truncated_replies += completion.finish_reason == "length"
+        replies = next_replies(engine, chat, [episodes[i] for i in active], [forced[i] for i in active], sampling,
+                               lora_request, digests)
+        texts = decode_replies(chat.tokenizer, [reply_ids for reply_ids, _, _ in replies])
+        for i, (reply_ids, reply_logprobs, truncated), text in zip(active, replies, texts):
+            episode = episodes[i]
             turn = episode.turns[-1]
-            turn.reply_ids, turn.reply_logprobs, turn.reply = reply_ids, reply_logprobs, texts[i]
-            obs = episode.task.step(texts[i])
-            if episode.record_step(obs):
-                bar.update(1)
-                continue
-            episode.turns.append(chat.open_turn(obs.text, obs.image, episode.task, reply_ids,
-                                                text_only=bool(max_images)))
-            digests[id(obs.image)] = image_digest(obs.image)
-            ids, images = episode.next_prompt(max_images)
-            if chat.expanded_len(ids, images) + sampling.max_new_tokens > sampling.max_model_len:
-                episode.ended, episode.end_reason = True, "context_limit"
+            turn.reply_ids, turn.reply_logprobs, turn.reply = reply_ids, reply_logprobs, text
+            episode.truncated_replies += truncated
+            obs = episode.task.step(text)
+            if not episode.record_step(obs):
+                episode.turns.append(chat.open_turn(obs.text, obs.image, episode.task, reply_ids,
+                                                    text_only=bool(sampling.max_images)))
+                ids, images = episode.next_prompt(sampling.max_images)
+                if chat.expanded_len(ids, images) + sampling.max_new_tokens > sampling.max_model_len:
+                    episode.ended, episode.end_reason = True, "context_limit"
+            if episode.ended:
                 bar.update(1)
     bar.close()
     for episode in episodes:
-        episode.sequences = training_sequences(episode, chat, max_images)
+        episode.sequences = training_sequences(episode, chat, sampling.max_images)
     return episodes
+
+
+def next_replies(engine, chat: ChatFormat, episodes: list, forced: list, sampling: Sampling, lora_request,
+                 digests: dict) -> list[tuple[list, list, bool]]:
+    """Each episode's next reply: (its token ids, their rollout log-probs, whether the token limit
+    cut it). An episode with replies left in `forced[k]` gives the first of them (consumed here);
+    the others are sampled, all in ONE engine call (vLLM batches them)."""
+    sampled, prompts = [k for k in range(len(episodes)) if not forced[k]], {}
+    for k in sampled:
+        ids, images = episodes[k].next_prompt(sampling.max_images)
+        prompts[k] = {"prompt_token_ids": ids, "multi_modal_data": {"image": images},
+                      "multi_modal_uuids": {"image": image_digests(images, digests)}}
+    outputs = dict(zip(sampled, engine.generate(
+        [prompts[k] for k in sampled], [sampling_params(sampling, episodes[k], chat.banned_token_ids) for k in sampled],
+        lora_request=lora_request, use_tqdm=False))) if sampled else {}
+    replies = []
+    for k in range(len(episodes)):
+        if k not in outputs:
+            reply_ids = list(forced[k].pop(0))
+            replies.append((reply_ids, [NO_LOGPROB] * len(reply_ids), False))  # forced: the engine sampled none
+            continue
+        completion, reply_ids = outputs[k].outputs[0], list(outputs[k].outputs[0].token_ids)
+        # vLLM expands the image placeholders exactly as training_sequences does
+        assert list(outputs[k].prompt_token_ids) == chat.expand(
+            prompts[k]["prompt_token_ids"], prompts[k]["multi_modal_data"]["image"]), "expansion differs"
+        reply_logprobs = ([lp[t].logprob for lp, t in zip(completion.logprobs, reply_ids)]
+                          if completion.logprobs is not None else [0.0] * len(reply_ids))  # greedy: none asked
+        replies.append((reply_ids, reply_logprobs, completion.finish_reason == "length"))
+    return replies
+
+
+def sampling_params(sampling: Sampling, episode: Episode, banned_token_ids):
+    """The engine's SamplingParams for `episode`'s next reply, seeded by request_seed."""
+    from vllm import SamplingParams
+
+    # detokenize=False: the engine returns token ids only; play_turns decodes each reply once
+    common = dict(max_tokens=sampling.max_new_tokens, min_tokens=sampling.min_new_tokens,
+                  logit_bias=sampling_logit_bias(banned_token_ids), detokenize=False)
+    if sampling.temperature == 0.0:
+        return SamplingParams(temperature=0.0, **common)
+    return SamplingParams(temperature=sampling.temperature, logprobs=0,
+                          seed=request_seed(sampling.seed, episode.sample_id, episode.num_turns), **common)
 
 
 # The rollout log-prob of a token the engine did not sample (a forced reply): "none", not 0.
@@ -431,6 +436,15 @@ def image_digest(image) -> str:
     h.update(f"{image.mode}:{image.size}:".encode())
     h.update(image.tobytes())
     return "img-" + h.hexdigest()
+
+
+def image_digests(images: list, known: dict) -> list[str]:
+    """image_digest of each image, computed once per image object: `known` (id(image) -> digest)
+    holds them while its owner keeps the images alive (a rollout's episodes, a Batch's sequences)."""
+    for image in images:
+        if id(image) not in known:
+            known[id(image)] = image_digest(image)
+    return [known[id(image)] for image in images]
 
 
 def decode_replies(tokenizer, replies: list) -> list[str]:

@@ -8,11 +8,11 @@ Every flag, its default and its section: config.py (or --help). The task (--task
 tasks/ holds the ones shipped, and the trainer knows them only through env.py's interface.
 
 Every process owns two things: an FSDP2 shard of the policy (HF Qwen3-VL + PEFT LoRA, policy.py)
-and a whole in-process vLLM engine (vllm_engine.py), through which rollout.py plays. One step:
+and a whole in-process vLLM engine (vllm_engine.py), through which rollout.py plays. One step of
+plain GRPO (train_step):
 
     1. rollouts      every rank plays its share of the step's puzzles, group_size episodes each
-    2. advantages    rewards are normalised within each group over all ranks (grpo.py), plus
-                     GiGPO's step-level term for actions taken from the same state
+    2. advantages    rewards are normalised within each group (grpo.py); a group is all on one rank
     3. update        the policy-gradient loss on the sampled tokens (update.py): by default one
                      pass and one optimizer step, so the ratio is 1 and the clip never acts; it
                      does with --num-mini-batches or --ppo-epochs above 1
@@ -21,9 +21,13 @@ and a whole in-process vLLM engine (vllm_engine.py), through which rollout.py pl
                      engine's log-probs against the trainer's on the tokens it trains (a step that
                      trains none measures nothing; update.StalePolicyGuard)
     5. eval / checkpoint / export on their intervals (evaluation.py, checkpoint.py), one metrics
-       line per step (rundir.py); over the last average_frac of the steps, what is evaluated and
-       exported is the mean of the policies of those steps (average.py), while rollouts stay on
-       the current one
+       line per step (rundir.py)
+
+and the additions the recipe turns on, each in a module of its own, entered by one line of
+train_step marked `+`: branch rollouts (branch.py), GiGPO's step-level term (gigpo.py), truncated
+importance sampling (tis.py), the policy probe (probe.py) and the tail average (average.py: over
+the last average_frac of the steps, what is evaluated and exported is the mean of the policies of
+those steps, while rollouts stay on the current one).
 
 On a GPU the engine sleeps while the trainer updates (--engine-sleep: by default its weights go
 to host RAM and its KV cache is dropped; vllm_engine.EngineSleep has the other choices) and wakes up
@@ -51,17 +55,20 @@ from tqdm import tqdm
 import average
 import branch
 import checkpoint
-import storage
 import distributed
 import env
 import evaluation
+import gigpo
 import grpo
 import policy
-import update
+import probe
 import rollout
-import tasks
-import vllm_engine
 import rundir
+import storage
+import tasks
+import tis
+import update
+import vllm_engine
 from config import Config, parse_config
 from distributed import log0
 
@@ -130,7 +137,7 @@ class Run:
     sleeper: vllm_engine.EngineSleep
     guard: update.StalePolicyGuard
     tail: average.TailAverage
-    probe: evaluation.PolicyProbe
+    probe: probe.PolicyProbe
     log: rundir.RunLog | None  # rank 0's
     start_step: int
     hours: float  # process-hours so far, over all ranks (GPU-hours on GPUs)
@@ -144,11 +151,10 @@ def start_run(cfg: Config) -> Run:
     and its optimizer (restored from the checkpoint to resume from), this rank's engine; the
     engine gets the policy, and a fresh run is evaluated before its first step."""
     rank, world, local_rank = distributed.init_distributed()
-    cfg.validate(world)
     on_gpu = torch.cuda.is_available()
     model_path = policy.resolve_model(cfg.model)  # downloads once per node, then every rank loads it
     cfg.resolve_model_defaults(model_path)  # batch, LoRA rank, reply length: the tiny model's or a real one's
-    cfg.validate(world)  # again, with them
+    cfg.validate(world)
     task_class = tasks.task_class(cfg.task)
     if cfg.branch_points_per_group and not env.features(task_class)["snapshots"]:
         log0(f"the task {cfg.task} takes no snapshots (env.Task.state): this run has no branch rollouts")
@@ -177,119 +183,139 @@ def start_run(cfg: Config) -> Run:
     # how far each update moves the policy, on fixed held-out first turns (this rank's share)
     probe_tasks = env.held_out(task_class, cfg.difficulty, min(cfg.eval_puzzles, max(cfg.probe_states, world)),
                                cfg.max_turns)
-    r = Run(cfg, rank, world, torch.device("cuda", local_rank) if on_gpu else torch.device("cpu"), out, shared,
-            base, record, chat, model, optimizer, scheduler, task_class, stream, engine,
-            vllm_engine.EngineSleep(cfg.engine_sleep, on_gpu, weights_bytes=policy.base_weight_bytes(model),
-                                    log=log0, worst_over_ranks=distributed.max_over_ranks),
-            update.StalePolicyGuard(cfg.mismatch_bound, cfg.mismatch_steps, on_gpu, start_step,
-                                    meta.get("mismatch_bound")),
-            tail, evaluation.PolicyProbe(chat, probe_tasks[rank::world] if cfg.probe_states else []),
-            rundir.RunLog(out, cfg, start_step) if rank == 0 else None,
-            start_step, meta.get("process_hours", 0.0), start_step if ckpt else None)
-    r.lora_request, r.lora_state, _ = sync(model, engine, shared, start_step, cfg, base)
-    r.probe.measure(engine, r.lora_request)
+    run = Run(
+        cfg=cfg, rank=rank, world=world, device=torch.device("cuda", local_rank) if on_gpu else torch.device("cpu"),
+        out=out, shared=shared, base=base, record=record, chat=chat, model=model, optimizer=optimizer,
+        scheduler=scheduler, task_class=task_class, stream=stream, engine=engine,
+        sleeper=vllm_engine.EngineSleep(cfg.engine_sleep, on_gpu, weights_bytes=policy.base_weight_bytes(model),
+                                        log=log0, worst_over_ranks=distributed.max_over_ranks),
+        guard=update.StalePolicyGuard(cfg.mismatch_bound, cfg.mismatch_steps, on_gpu, start_step,
+                                      meta.get("mismatch_bound")),
+        tail=tail, probe=probe.PolicyProbe(chat, probe_tasks[rank::world] if cfg.probe_states else []),
+        log=rundir.RunLog(out, cfg, start_step) if rank == 0 else None, start_step=start_step,
+        hours=meta.get("process_hours", 0.0), saved_step=start_step if ckpt else None)
+    run.lora_request, run.lora_state, _ = sync(model, engine, shared, start_step, cfg, base)
+    run.probe.measure(engine, run.lora_request)
     if (start_step == 0 or start_step % cfg.eval_interval == 0) and not rundir.has_eval(out, start_step, record):
-        evaluate(r, start_step)
-    return r
+        evaluate(run, start_step)
+    return run
 
 
-def evaluate(r: Run, step: int) -> dict:
+def evaluate(run: Run, step: int) -> dict:
     """The published policy (the tail average once it is active, else the current one), held-out greedy."""
-    return evaluation.evaluate_published(r.cfg, r.engine, r.chat, r.lora_request, r.tail, r.model, step, r.out,
-                                         r.shared, r.record, r.base, r.task_class)
+    return evaluation.evaluate_published(run.cfg, run.engine, run.chat, run.lora_request, run.tail, run.model, step,
+                                         run.out, run.shared, run.record, run.base, run.task_class)
 
 
-def save_checkpoint(r: Run, step: int) -> Path | None:
+def save_checkpoint(run: Run, step: int) -> Path | None:
     """Rank 0's checkpoint of the run after `step` steps, written but not yet published (collective)."""
-    r.saved_step = step
-    return checkpoint.save(r.cfg, r.model, r.optimizer, r.scheduler, r.lora_state, step, r.stream, r.hours, r.out,
-                           r.base, mismatch_bound=r.guard.bound, average=r.tail)
+    run.saved_step = step
+    return checkpoint.save(run.cfg, run.model, run.optimizer, run.scheduler, run.lora_state, step, run.stream,
+                           run.hours, run.out, run.base, mismatch_bound=run.guard.bound, average=run.tail)
 
 
-def train_step(r: Run, step: int, stop: rundir.StopRequest) -> dict | None:
-    """One step: rollouts, advantages, the update, the sync, then the tail average, evaluation,
-    checkpoint and export on their intervals. Returns the step's metrics line, or None if a stop
-    arrived during the rollouts (the step is given up: it changed nothing but the stream)."""
-    cfg, rank, world = r.cfg, r.rank, r.world
-    step_start, timing, metrics = time.time(), {}, {}
+def train_step(run: Run, step: int, stop: rundir.StopRequest) -> dict | None:
+    """One step (`step` steps done before it): plain GRPO in five numbered parts, and the additions
+    the recipe turns on, each entered by one line marked `+`. Returns the step's metrics line, or
+    None if a stop arrived during the rollouts (the step is given up: it changed nothing but the
+    stream)."""
+    cfg, step_start, timing = run.cfg, time.time(), {}
 
     # 1. rollouts: every rank draws the same puzzles from the stream and plays its share
-    t0 = time.time()
-    stream_at_step = r.stream.state_dict()
-    puzzles = [r.stream.next() for _ in range(cfg.prompts_per_step)]
-    per_rank = cfg.prompts_per_step // world
-    mine = list(range(rank * per_rank, (rank + 1) * per_rank))
-    episodes = rollout.play_episodes(
-        r.engine, r.chat, [puzzles[i] for i in mine], [step * cfg.prompts_per_step + i for i in mine],
-        rollout.Sampling.of(cfg), samples_per_task=cfg.group_size, lora_request=r.lora_request,
-        desc=f"rollout@{step + 1}", progress=cfg.progress and rank == 0)
-    # and the decision points the groups passed, replayed with every legal action (branch.py; the
-    # tiny model's recipe has it on)
-    branch_experiences, branch_stats = branch.branch_step(cfg, r.engine, r.chat, episodes, r.lora_request)
-    r.sleeper.sleep(r.engine)  # time-slicing: the engine gives the GPU to the trainer (--engine-sleep)
-    timing["rollout_s"] = time.time() - t0
+    stream_at_step = run.stream.state_dict()
+    puzzles, episodes = play_rollouts(run, step)
+    # + branch rollouts: the forks each group passed, replayed with every legal action, and a target
+    # row toward the best branch (branch.py)
+    branch_targets, branch_stats = (branch.branch_step(cfg, run.engine, run.chat, episodes, run.lora_request)
+                                    if cfg.branch_points_per_group else ([], {}))
+    run.sleeper.sleep(run.engine)  # time-slicing: the engine gives the GPU to the trainer (--engine-sleep)
+    timing["rollout_s"] = time.time() - step_start
     if stop.pending():
-        r.stream.load_state_dict(stream_at_step)
+        run.stream.load_state_dict(stream_at_step)
         return None
-    metrics.update(rollout.rollout_metrics(episodes))
+    metrics = {**rollout.rollout_metrics(episodes), **branch_stats}
 
-    # 2. advantages: group-normalised, plus GiGPO's step-level term, per token
+    # 2. advantages: each episode's reward normalised within its group, on every token of its replies
     t0 = time.time()
-    experiences, stats = grpo.episode_experiences(episodes, gamma=cfg.gamma, step_adv_weight=cfg.step_adv_weight,
-                                                  scale_by_std=cfg.scale_adv_by_std)
-    experiences += branch_experiences  # the branch points' targets, each in its parent episode's mini-batch
-    metrics.update(stats, **branch_stats)
+    turn_advantages, stats = grpo.episode_advantages(episodes, scale_by_std=cfg.scale_adv_by_std)
+    # + GiGPO: w x each turn's return normalised among the group's turns from the same state (gigpo.py)
+    stats |= gigpo.add_step_term(turn_advantages, episodes, cfg.step_adv_weight, cfg.gamma, cfg.scale_adv_by_std)
+    experiences = grpo.to_experiences(episodes, turn_advantages) + branch_targets  # each in its parent's mini-batch
+    metrics.update(stats)
     timing["advantages_s"] = time.time() - t0
 
-    # 3. the update: the policy-gradient loss on the sampled tokens (update.grpo_update)
+    # 3. the update: the policy-gradient loss on the sampled tokens (update.py)
     t0 = time.time()
-    batch = policy.Batch([x.sequence for x in experiences], r.chat.processor, r.model)
-    metrics.update(update.grpo_update(cfg, r.model, r.optimizer, r.scheduler, batch, experiences, len(episodes),
-                                      r.device, measure_every_sequence=r.guard.calibrating))
+    batch = policy.Batch([x.sequence for x in experiences], run.chat.processor, run.model)
+    metrics.update(update.grpo_update(
+        cfg, run.model, run.optimizer, run.scheduler, batch, experiences, len(episodes), run.device,
+        measure_every_sequence=run.guard.calibrating,
+        reweight=tis.TruncatedIS(cfg.tis_cap)))  # + TIS: each token's loss x min(pi_old / pi_engine, cap) (tis.py)
     del batch  # its cached image features
     timing["update_s"] = time.time() - t0
 
     # 4. sync: the new LoRA through shared storage into every engine (awake again from here)
-    r.sleeper.wake(r.engine)
-    r.lora_request, r.lora_state, sync_stats = sync(r.model, r.engine, r.shared, step + 1, cfg, r.base)
+    run.sleeper.wake(run.engine)
+    run.lora_request, run.lora_state, sync_stats = sync(run.model, run.engine, run.shared, step + 1, cfg, run.base)
     timing["sync_s"], metrics["sync_bytes"] = sync_stats["sync_s"], sync_stats["sync_bytes"]
     t0 = time.time()
-    metrics.update(r.probe.measure(r.engine, r.lora_request))
+    # + the policy probe: how far this update moved the policy's first action on held-out states (probe.py)
+    metrics.update(run.probe.measure(run.engine, run.lora_request))
     timing["probe_s"] = time.time() - t0
 
-    # 5. the tail average; eval, checkpoint, export on their intervals; one metrics line per step
-    done, t0 = step + 1, time.time()
-    if done >= r.tail.first_step:
-        r.tail.add(r.lora_state)
-        metrics["average_dropped"] = r.tail.dropped
-    published = r.tail.state if r.tail.active(done) else r.lora_state  # what evaluations and exports show
-    if done % cfg.eval_interval == 0 or done == cfg.steps:
-        metrics["eval_solve_rate"] = evaluate(r, done)["solve_rate"]
-    timing["eval_s"], t0 = time.time() - t0, time.time()
-    r.hours += (time.time() - step_start) * world / 3600
-    ckpt_tmp = save_checkpoint(r, done) if done % cfg.ckpt_interval == 0 or done == cfg.steps else None
-    if rank == 0 and (done % cfg.export_interval == 0 or done == cfg.steps):
-        checkpoint.write_adapter(r.model, published, r.out / "adapters" / f"step_{done}", r.base)
+    # 5. eval, checkpoint, export on their intervals; one metrics line per step
+    completed, t0 = step + 1, time.time()  # the step's number: its metrics line, evaluation and checkpoint
+    # + the tail average: what evaluations and exports publish, the mean of the last steps' LoRA (average.py)
+    published, average_stats = run.tail.after_step(completed, run.lora_state)
+    metrics.update(average_stats)
+    if completed % cfg.eval_interval == 0 or completed == cfg.steps:
+        metrics["eval_solve_rate"] = evaluate(run, completed)["solve_rate"]
+    timing["eval_s"] = time.time() - t0
+    return finish_step(run, completed, published, metrics, timing, step_start, puzzles)
+
+
+def play_rollouts(run: Run, step: int) -> tuple[list, list]:
+    """The step's puzzles, drawn from the stream alike on every rank, and this rank's episodes: its
+    share of the puzzles, each played group_size times (the group ids unique over the run)."""
+    cfg = run.cfg
+    puzzles = [run.stream.next() for _ in range(cfg.prompts_per_step)]
+    per_rank = cfg.prompts_per_step // run.world
+    mine = range(run.rank * per_rank, (run.rank + 1) * per_rank)
+    return puzzles, rollout.play_episodes(
+        run.engine, run.chat, [puzzles[i] for i in mine], [step * cfg.prompts_per_step + i for i in mine],
+        rollout.Sampling.of(cfg), samples_per_task=cfg.group_size, lora_request=run.lora_request,
+        desc=f"rollout@{step + 1}", progress=cfg.progress and run.rank == 0)
+
+
+def finish_step(run: Run, completed: int, published: dict, metrics: dict, timing: dict, step_start: float,
+                puzzles: list) -> dict:
+    """The checkpoint and the export of the published policy on their intervals, and the step's
+    metrics line (means over ranks); then the stale-policy check. Returns the line."""
+    cfg, t0 = run.cfg, time.time()
+    run.hours += (time.time() - step_start) * run.world / 3600
+    ckpt_tmp = save_checkpoint(run, completed) if completed % cfg.ckpt_interval == 0 or completed == cfg.steps else None
+    if run.rank == 0 and (completed % cfg.export_interval == 0 or completed == cfg.steps):
+        checkpoint.write_adapter(run.model, published, run.out / "adapters" / f"step_{completed}", run.base)
     timing["checkpoint_s"], timing["step_s"] = time.time() - t0, time.time() - step_start
-    metrics = step_metrics(metrics, timing, r.hours, r.device.type == "cuda")
-    if rank == 0:
-        r.log.step(done, metrics, seeds=[p.seed for p in puzzles], stream_position=r.stream.position)
+    metrics = step_metrics(metrics, timing, run.hours, run.device.type == "cuda")
+    if run.rank == 0:
+        run.log.step(completed, metrics, seeds=[p.seed for p in puzzles], stream_position=run.stream.position)
         if ckpt_tmp:  # after the step's line is on disk, so that `latest` never names a step it lacks
-            checkpoint.publish(r.out, ckpt_tmp, done, cfg.keep_checkpoints)
-    r.guard.check(done, metrics["mismatch_abs_mean"], metrics["mismatch_tokens"])  # the same on every rank
+            checkpoint.publish(run.out, ckpt_tmp, completed, cfg.keep_checkpoints)
+    run.guard.check(completed, metrics["mismatch_abs_mean"], metrics["mismatch_tokens"])  # the same on every rank
     return metrics
 
 
 def main(cfg: Config):
-    r = start_run(cfg)
+    run = start_run(cfg)
     run_start, stop, stopped, abandoned = time.time(), rundir.StopRequest(), 0, False  # SIGTERM and the like
-    bar = tqdm(range(r.start_step, cfg.steps), desc="train", unit="step", initial=r.start_step, total=cfg.steps,
-               disable=not (cfg.progress and r.rank == 0))
-    step = r.start_step
+    bar = tqdm(range(run.start_step, cfg.steps), desc="train", unit="step", initial=run.start_step, total=cfg.steps,
+               disable=not (cfg.progress and run.rank == 0))
+    step = run.start_step
     for step in bar:
         if stopped := stop.pending():  # a stop asked for during the last step (or the start-up)
             break
-        metrics = train_step(r, step, stop)
+        metrics = train_step(run, step, stop)
         if metrics is None:  # the stop came during the rollouts, and the step is given up
             stopped, abandoned = stop.pending(), True
             break
@@ -297,13 +323,13 @@ def main(cfg: Config):
                         step_s=f"{metrics['step_s']:.1f}")
     bar.close()
     if stopped:
-        stop_at(r, step, stopped, abandoned, stop)
-    elif r.rank == 0:
-        r.log.finish(cfg.steps, time.time() - run_start, r.hours, r.device.type == "cuda", log=log0)
+        stop_at(run, step, stopped, abandoned, stop)
+    elif run.rank == 0:
+        run.log.finish(cfg.steps, time.time() - run_start, run.hours, run.device.type == "cuda", log=log0)
     # Shut down in order: all ranks done, then the engine (whose teardown may already take the
     # process group down with it), then the group if it is still there.
     dist.barrier()
-    del r.engine
+    del run.engine
     gc.collect()
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -311,15 +337,15 @@ def main(cfg: Config):
         raise SystemExit(128 + stopped)  # what a process that the signal killed reports: "terminated"
 
 
-def stop_at(r: Run, step: int, signum: int, abandoned: bool, stop: rundir.StopRequest):
+def stop_at(run: Run, step: int, signum: int, abandoned: bool, stop: rundir.StopRequest):
     """A stop was asked for (SIGTERM and the like): the last completed step is `step`; it is
     checkpointed unless it already is, and the run directory says why the run stopped."""
-    if r.saved_step != step:
-        ckpt_tmp = save_checkpoint(r, step)
-        if r.rank == 0:
-            checkpoint.publish(r.out, ckpt_tmp, step, r.cfg.keep_checkpoints)
-    if r.rank == 0:
-        rundir.write_stopped(r.out, signum, step, abandoned)
+    if run.saved_step != step:
+        ckpt_tmp = save_checkpoint(run, step)
+        if run.rank == 0:
+            checkpoint.publish(run.out, ckpt_tmp, step, run.cfg.keep_checkpoints)
+    if run.rank == 0:
+        rundir.write_stopped(run.out, signum, step, abandoned)
     log0(f"stopped by {signal.Signals(signum).name}: checkpoint step_{step} is the last completed step"
          + (f" (step {step + 1} was under way and is given up)" if abandoned else "")
          + (f", {time.time() - stop.received_at:.1f}s after the signal" if stop.received_at else "")

@@ -1,16 +1,17 @@
 """The update: one rollout batch's policy-gradient step on the LoRA, and the checks around it.
 
     optimizer, scheduler = make_optimizer(model, cfg.lr), make_scheduler(optimizer, cfg)
-    metrics = grpo_update(cfg, model, optimizer, scheduler, batch, experiences, num_episodes, device)
+    metrics = grpo_update(cfg, model, optimizer, scheduler, batch, experiences, num_episodes, device,
+                          reweight=tis.TruncatedIS(cfg.tis_cap))
     guard.check(step, metrics["mismatch_abs_mean"], metrics["mismatch_tokens"])   # StalePolicyGuard
 
 Micro-batches of the batch's sequences (packed by count and tokens, the same number on every
 rank: FSDP's forward and backward are collectives) go through policy.sequence_logprobs and
 grpo.policy_loss; gradients accumulate over a mini-batch, then one optimizer step. The loss's
 normaliser counts the whole mini-batch over all ranks, so the accumulated gradient is the
-mini-batch's mean whatever the micro-batching. The same forward pass measures how far the
-trainer's log-probs are from the engine's (MismatchMeter), the proof that the engine sampled
-from this policy, which StalePolicyGuard turns into a stop when it is not.
+mini-batch's mean whatever the micro-batching (Lockstep holds this plumbing). The same forward
+pass measures how far the trainer's log-probs are from the engine's (MismatchMeter), the proof
+that the engine sampled from this policy, which StalePolicyGuard turns into a stop when it is not.
 """
 
 import torch
@@ -130,36 +131,10 @@ class StalePolicyGuard:
                 "training on more of them; --mismatch-bound raises the bound, --mismatch-steps 0 turns this off.")
 
 
-@torch.no_grad()
-def fill_old_logprobs(model, batch: Batch, experiences: list, cfg, device, with_ref: bool) -> dict:
-    """pi_old (and pi_ref for the KL) of every sampled token, when the update is not single-pass;
-    also the proof that the engine sampled from this same policy (the mismatch)."""
-    mismatch, temperature = MismatchMeter(), cfg.temperature
-    model.eval()
-    for idx in synced_micro_batches(list(range(len(experiences))), cfg.micro_batch_size, batch.length,
-                                    cfg.micro_batch_tokens):
-        inputs, mask, rollout_lp = batch.micro([0] if idx is None else idx, device)
-        lp = sequence_logprobs(model, inputs, temperature, batch.banned_token_ids)
-        ref = None
-        if with_ref:
-            with model.disable_adapter():  # the reference policy is the base model
-                ref = sequence_logprobs(model, inputs, temperature, batch.banned_token_ids)
-        if idx is None:  # a filler: FSDP needs every rank in every forward
-            continue
-        for row, i in enumerate(idx):  # unpadded rows: the update may group them differently
-            n = len(experiences[i].sequence.token_ids) - 1
-            experiences[i].old_logprobs = lp[row, :n].cpu()
-            experiences[i].ref_logprobs = None if ref is None else ref[row, :n].cpu()
-        mismatch.add(lp, rollout_lp, mask)
-    return mismatch.result()
-
-
-
 # ----------------------------------------------------------------------------- the update
 
 def make_optimizer(model, lr: float, weight_decay: float = 0.0):
-    """AdamW over the LoRA weights, one rate for A and B (LoRA+'s faster B did not help here:
-    docs/experiments.md, 2026-12-01, runs C-G and J)."""
+    """AdamW over the LoRA weights, one rate for A and B."""
     return torch.optim.AdamW([p for _, p in lora_parameters(model)], lr=lr, weight_decay=weight_decay)
 
 
@@ -186,68 +161,122 @@ def single_pass(cfg) -> bool:
 
 
 def grpo_update(cfg, model, optimizer, scheduler, batch: Batch, experiences: list, num_episodes: int,
-                device, measure_every_sequence: bool = False) -> dict:
+                device, measure_every_sequence: bool = False, reweight=None) -> dict:
     """Mini-batches of episodes (one optimizer step each) of micro-batches of their sequences.
 
     Without old logprobs (single pass) the ratio is exp(logp - logp.detach()) = 1 with the
-    gradient of logp, and the rollout mismatch is measured on this very forward pass. Sequences
-    whose advantages are all 0 (every member of their group scored the same) are not run when
-    there is no KL term: their loss and gradient are exactly zero. They still count in the
-    normaliser, so the update is the same as if they had been run, only cheaper.
+    gradient of logp, and the rollout mismatch is measured on this very forward pass. Otherwise
+    (mini-batches, epochs or a KL term) pi_old, and pi_ref for the KL, are computed first, before
+    the first optimizer step moves the policy (fill_old_logprobs).
 
-    Otherwise (mini-batches, epochs or a KL term) pi_old, and pi_ref for the KL, are computed
-    first, before the first optimizer step moves the policy (fill_old_logprobs).
-
-    measure_every_sequence runs the zero-advantage sequences too (their gradient is still exactly
-    zero), so that the mismatch covers every sampled token: StalePolicyGuard's calibration step."""
-    old_pass_mismatch = {}  # single pass: measured during the update instead
+    Sequences whose advantages are all 0 (every member of their group scored the same) are not
+    run when there is no KL term: their loss and gradient are exactly zero, and they still count
+    in the normaliser (Lockstep.mini_batches). measure_every_sequence runs them too, so that the
+    mismatch covers every sampled token: StalePolicyGuard's calibration step. `reweight`
+    (tis.TruncatedIS) gives each micro-batch's token weights; None: none."""
+    lockstep = Lockstep(cfg, batch, device)
     if not single_pass(cfg):
-        old_pass_mismatch = fill_old_logprobs(model, batch, experiences, cfg, device, with_ref=cfg.kl_coef > 0)
+        fill_old_logprobs(model, lockstep, experiences, with_ref=cfg.kl_coef > 0)
+    old_known = bool(experiences) and experiences[0].old_logprobs is not None  # else pi_old = pi, detached
     model.train()
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    per_mini = num_episodes // cfg.num_mini_batches
-    stats = {k: [] for k in ("clip_frac", "ratio_mean", "kl", "pg_loss", "tis_weight_mean", "tis_capped_frac",
-                             "grad_norm")}
-    mismatch, trained = MismatchMeter(), 0
-    for mb in [m for _ in range(cfg.ppo_epochs) for m in range(cfg.num_mini_batches)]:
-        in_mini = [i for i, x in enumerate(experiences) if mb * per_mini <= x.episode < (mb + 1) * per_mini]
-        # Normaliser: token-mean divides by the mini-batch's response tokens over ALL ranks
-        # (seq-mean by its sequences), then by world size since FSDP averages gradients.
-        count = sum(sum(experiences[i].sequence.response_mask) if cfg.loss_aggregation == "token-mean" else 1
-                    for i in in_mini)
-        normalizer = distributed.sum_over_ranks([count])[0] / dist.get_world_size()
-        if cfg.kl_coef == 0 and not measure_every_sequence:
-            in_mini = [i for i in in_mini if bool(experiences[i].advantages.any())]
-        trained += len(in_mini)
+    for rows, normalizer in lockstep.mini_batches(experiences, num_episodes, every_sequence=measure_every_sequence):
         optimizer.zero_grad(set_to_none=True)
-        for idx in synced_micro_batches(in_mini, cfg.micro_batch_size, batch.length, cfg.micro_batch_tokens):
-            rows = [0] if idx is None else idx  # a filler runs any one sequence, with weight 0
-            inputs, mask, rollout_lp = batch.micro(rows, device)
-            lp = sequence_logprobs(model, inputs, cfg.temperature, batch.banned_token_ids)
-            xs = [experiences[i] for i in rows]
-            old_lp = lp.detach() if xs[0].old_logprobs is None else pad_rows([x.old_logprobs for x in xs], device)
-            loss, m = grpo.policy_loss(
-                lp, old_lp, pad_rows([x.advantages for x in xs], device), mask,
+        for idx, _, mask, rollout_logprobs, logprobs in lockstep.forward(model, rows, measure=not old_known):
+            chosen = [experiences[i] for i in ([0] if idx is None else idx)]
+            old_logprobs = pad_rows([x.old_logprobs for x in chosen], device) if old_known else logprobs.detach()
+            weights, weight_metrics = reweight(old_logprobs, rollout_logprobs, mask) if reweight else (None, {})
+            loss, loss_metrics = grpo.policy_loss(
+                logprobs, old_logprobs, pad_rows([x.advantages for x in chosen], device), mask,
                 clip_eps_low=cfg.clip_eps_low, clip_eps_high=cfg.clip_eps_high,
                 aggregation=cfg.loss_aggregation, loss_normalizer=normalizer,
-                ref_logprobs=pad_rows([x.ref_logprobs for x in xs], device) if cfg.kl_coef > 0 else None,
-                kl_coef=cfg.kl_coef, rollout_logprobs=rollout_lp, tis_cap=cfg.tis_cap)
-            (loss * (0.0 if idx is None else 1.0)).backward()
-            if idx is None:
-                continue
-            for k in m:
-                stats[k].append(m[k])
-            if xs[0].old_logprobs is None:
-                mismatch.add(lp.detach(), rollout_lp, mask)
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
-        stats["grad_norm"].append((grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm).item())
+                ref_logprobs=pad_rows([x.ref_logprobs for x in chosen], device) if cfg.kl_coef > 0 else None,
+                kl_coef=cfg.kl_coef, token_weights=weights)
+            (loss * (0.0 if idx is None else 1.0)).backward()  # a filler's gradient is exactly zero
+            if idx is not None:
+                lockstep.record({**loss_metrics, **weight_metrics})
+        lockstep.clip_gradients(params, cfg.max_grad_norm)
         optimizer.step()
         scheduler.step()
-    neutral = {"ratio_mean": 1.0, "tis_weight_mean": 1.0}  # what a step that trained nothing reports
-    out = {k: sum(v) / len(v) if v else neutral.get(k, 0.0) for k, v in stats.items()}
-    out.update(lr=scheduler.get_last_lr()[0], trained_sequence_frac=trained / max(len(experiences), 1))
-    out.update(mismatch.result() if single_pass(cfg) else old_pass_mismatch)
+    out = lockstep.result(idle={**grpo.IDLE_METRICS, **(reweight.IDLE_METRICS if reweight else {})})
+    out.update(lr=scheduler.get_last_lr()[0], trained_sequence_frac=lockstep.trained / max(len(experiences), 1))
     if torch.cuda.is_available():
         optimizer.zero_grad(set_to_none=True)  # the gradients are spent: free them for the engine
         torch.cuda.empty_cache()  # and the trainer's cached blocks (vLLM's wake_up does it too)
     return out
+
+
+@torch.no_grad()
+def fill_old_logprobs(model, lockstep: "Lockstep", experiences: list, with_ref: bool):
+    """pi_old (and pi_ref for the KL) of every sampled token, when the update is not single-pass;
+    also the proof that the engine sampled from this same policy (the mismatch, in `lockstep`)."""
+    model.eval()
+    for idx, inputs, mask, _, logprobs in lockstep.forward(model, list(range(len(experiences))), measure=True):
+        ref = None
+        if with_ref:
+            with model.disable_adapter():  # the reference policy is the base model
+                ref = sequence_logprobs(model, inputs, lockstep.cfg.temperature, lockstep.batch.banned_token_ids)
+        if idx is None:  # a filler: FSDP needs every rank in every forward
+            continue
+        for row, i in enumerate(idx):  # unpadded rows: the update may group them differently
+            n = len(experiences[i].sequence.token_ids) - 1
+            experiences[i].old_logprobs = logprobs[row, :n].cpu()
+            experiences[i].ref_logprobs = None if ref is None else ref[row, :n].cpu()
+
+
+class Lockstep:
+    """An update's plumbing: what keeps every rank in step, and what it measures on the way.
+
+    FSDP's forward and backward are collectives, so every rank runs as many micro-batches: a rank
+    with fewer runs fillers (any one sequence, with weight 0). A mini-batch's loss normaliser counts
+    it over all ranks. The forward passes over the sampled sequences measure the trainer-vs-engine
+    mismatch (MismatchMeter); the micro-batches' metrics are averaged, whatever the loss reports."""
+
+    def __init__(self, cfg, batch: Batch, device):
+        self.cfg, self.batch, self.device = cfg, batch, device
+        self.mismatch = MismatchMeter()
+        self.metrics = {}  # name -> its value in each micro-batch that trained (grad_norm: each optimizer step)
+        self.trained = 0  # sequences run, over the mini-batches and epochs
+
+    def mini_batches(self, experiences: list, num_episodes: int, every_sequence: bool):
+        """Yields each mini-batch's rows (the experiences of its episodes) and loss normaliser, epoch
+        after epoch. Token-mean divides by the mini-batch's response tokens over ALL ranks (seq-mean
+        by its sequences), then by world size since FSDP averages gradients. Rows whose advantages
+        are all 0 are then left out when there is no KL term, unless `every_sequence`: the update
+        is the same as if they had been run, only cheaper."""
+        cfg, per_mini = self.cfg, num_episodes // self.cfg.num_mini_batches
+        for mb in [m for _ in range(cfg.ppo_epochs) for m in range(cfg.num_mini_batches)]:
+            rows = [i for i, x in enumerate(experiences) if mb * per_mini <= x.episode < (mb + 1) * per_mini]
+            count = sum(sum(experiences[i].sequence.response_mask) if cfg.loss_aggregation == "token-mean" else 1
+                        for i in rows)
+            normalizer = distributed.sum_over_ranks([count])[0] / dist.get_world_size()
+            if cfg.kl_coef == 0 and not every_sequence:
+                rows = [i for i in rows if bool(experiences[i].advantages.any())]
+            self.trained += len(rows)
+            yield rows, normalizer
+
+    def forward(self, model, rows: list[int], measure: bool):
+        """Yields, for each micro-batch of `rows` (synced_micro_batches, as many on every rank), its
+        rows (None: a filler, which runs row 0), model inputs, response mask, rollout log-probs and
+        the policy's log-probs. With `measure`, the mismatch is measured on it."""
+        cfg, batch = self.cfg, self.batch
+        for idx in synced_micro_batches(rows, cfg.micro_batch_size, batch.length, cfg.micro_batch_tokens):
+            inputs, mask, rollout_logprobs = batch.micro([0] if idx is None else idx, self.device)
+            logprobs = sequence_logprobs(model, inputs, cfg.temperature, batch.banned_token_ids)
+            if measure and idx is not None:
+                self.mismatch.add(logprobs.detach(), rollout_logprobs, mask)
+            yield idx, inputs, mask, rollout_logprobs, logprobs
+
+    def record(self, metrics: dict):
+        for name, value in metrics.items():
+            self.metrics.setdefault(name, []).append(value)
+
+    def clip_gradients(self, params: list, max_norm: float):
+        """Clip the gradients to a total norm of `max_norm` over all ranks, and record the norm."""
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)  # under FSDP a DTensor: made whole to be read
+        self.record({"grad_norm": (norm.full_tensor() if hasattr(norm, "full_tensor") else norm).item()})
+
+    def result(self, idle: dict) -> dict:
+        """The metrics' means (`idle`'s value for one no micro-batch measured) and the mismatch,
+        reduced over ranks (a collective)."""
+        return {**idle, **{name: sum(v) / len(v) for name, v in self.metrics.items()}, **self.mismatch.result()}

@@ -39,11 +39,10 @@ def build_engine(model: str, **kwargs):
     # vLLM's native top-k/top-p sampler (PyTorch; Triton kernels from batches of 8, built locally),
     # not FlashInfer's, unless the user chose: vLLM 0.33's CUDA wheel ships none of FlashInfer's
     # precompiled kernels, which it would fetch or compile at run time (an offline node can do
-    # neither). In the pinned vllm 0.33.0 the variable is read when the engine builds its sampler:
-    # vllm/envs.py:884-891 (on unless set), vllm/v1/sample/ops/topk_topp_sampler.py:118-125 (0:
-    # FlashInfer off), which decides for Model Runner V1's sampler (same file, 241-251) and V2's
-    # (vllm/v1/worker/gpu/sample/sampler.py:88-90, 340-341). Off CUDA it is never read
-    # (topk_topp_sampler.py:118). serve.py does the same for the server.
+    # neither). In the pinned vllm 0.33.0 the variable (vllm/envs.py: on unless set) is read when
+    # the engine builds its sampler (vllm/v1/sample/ops/topk_topp_sampler.py: 0 turns FlashInfer
+    # off), which decides for Model Runner V1's sampler and V2's (vllm/v1/worker/gpu/sample/
+    # sampler.py); off CUDA it is never read. serve.py does the same for the server.
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     from vllm import LLM
 
@@ -207,9 +206,8 @@ class EngineSleep:
                          f"with the engine's weights on the GPU, under the {engine_reserve(self.memory.total()) / 2**30:.1f}"
                          " GiB reserve: back to offloading them to host RAM from the next step on (offload)")
         if self.asleep:
-            # No tags: whatever sleeps is mapped again (after kv only the KV cache: executor/abstract.py:
-            # 412-435, device_allocator/cumem.py:331-364), and once nothing sleeps the scheduler
-            # resumes (v1/engine/core.py:1044-1055)
+            # No tags: whatever sleeps is mapped again (after kv only the KV cache: the executor's and
+            # the CuMem allocator's wake_up), and once nothing sleeps the scheduler resumes (EngineCore)
             engine.wake_up()
             self.asleep = False
 

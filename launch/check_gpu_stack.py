@@ -160,6 +160,7 @@ def trainer_step(tiny: str):
     import update
     import rollout
     import sft
+    import tis
     import train
 
     os.environ.pop("RANK", None)
@@ -178,7 +179,8 @@ def trainer_step(tiny: str):
     optimizer = update.make_optimizer(model, 1e-2)
     scheduler = update.make_scheduler(optimizer, cfg)
     batch = policy.Batch(sequences, chat.processor, model)
-    stats = update.grpo_update(cfg, model, optimizer, scheduler, batch, experiences, 4, torch.device("cpu"))
+    stats = update.grpo_update(cfg, model, optimizer, scheduler, batch, experiences, 4, torch.device("cpu"),
+                               reweight=tis.TruncatedIS(cfg.tis_cap))
     state = policy.gather_lora_state(model)
     moved = sum(v.abs().sum().item() for k, v in state.items() if "lora_B" in k)
     assert moved > 0, "the update left LoRA B at zero"

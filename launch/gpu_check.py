@@ -347,6 +347,7 @@ def shape_checks(shape: str, device, text: dict, vision: dict, cell_px: int, dif
     import env
     import grpo
     import policy
+    import tis
     import update
     import vllm_engine
     from tasks.maze import MazeTask
@@ -464,7 +465,7 @@ def shape_checks(shape: str, device, text: dict, vision: dict, cell_px: int, dif
             torch.cuda.synchronize(device)
         t = time.time()
         stats = update.grpo_update(cfg, model, optimizer, scheduler, policy.Batch(sequences, processor, model),
-                                  experiences, n_sequences, device)
+                                   experiences, n_sequences, device, reweight=tis.TruncatedIS(cfg.tis_cap))
         if device.type == "cuda":
             torch.cuda.synchronize(device)
             figures["update_peak_memory_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)

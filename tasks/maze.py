@@ -268,8 +268,9 @@ def action_string(action: tuple) -> str:
 # -----------------------------------------------------------------------------
 # what the model sees
 
-def render(maze: Maze, agent, cell_px: int = CELL_PX_TINY) -> Image.Image:
-    """The maze as an RGB image of (size * cell_px) pixels square, the agent drawn at `agent`."""
+def draw_board(maze: Maze, cell_px: int) -> tuple[Image.Image, ImageDraw.ImageDraw]:
+    """The maze without the agent, an RGB image of (size * cell_px) pixels square: white paths, gray
+    walls, the red target; and a pen on it for the agent (ours: render; VisGym's: tasks/visgym_maze.py)."""
     image = Image.new("RGB", (maze.size * cell_px, maze.size * cell_px), PATH_RGB)
     draw = ImageDraw.Draw(image)
 
@@ -282,6 +283,12 @@ def render(maze: Maze, agent, cell_px: int = CELL_PX_TINY) -> Image.Image:
             if wall:
                 fill_cell((r, c), WALL_RGB)
     fill_cell(maze.goal, GOAL_RGB)
+    return image, draw
+
+
+def render(maze: Maze, agent, cell_px: int = CELL_PX_TINY) -> Image.Image:
+    """The maze as an RGB image of (size * cell_px) pixels square, the agent drawn at `agent`."""
+    image, draw = draw_board(maze, cell_px)
     # the agent is drawn last, so it covers the target once it stands on it; no anti-aliasing,
     # so every pixel has one of the four pure colours
     cx, cy = (agent[1] + 0.5) * cell_px, (agent[0] + 0.5) * cell_px

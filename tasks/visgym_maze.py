@@ -20,9 +20,9 @@ SkyRL's shaped reward for its VisGym recipe is here too, for comparison only.
 
 import ast
 import re
-from PIL import Image, ImageDraw
+from PIL import Image
 
-from tasks.maze import (AGENT_RGB, CELL_PX_VISGYM, GOAL_RGB, PATH_RGB, WALL_RGB, Maze, MazeTask, action_string,
+from tasks.maze import (AGENT_RGB, CELL_PX_VISGYM, PATH_RGB, Maze, MazeTask, action_string, draw_board,
                         generate_maze_visgym)
 
 
@@ -54,18 +54,7 @@ def render_visgym(maze: Maze, agent, cell_px: int = CELL_PX_VISGYM, vacated=()) 
     """
     if cell_px < 8:
         raise ValueError(f"VisGym-style cells need cell_px >= 8 (a circle of radius >= 2), got {cell_px}")
-    image = Image.new("RGB", (maze.size * cell_px, maze.size * cell_px), PATH_RGB)
-    draw = ImageDraw.Draw(image)
-
-    def fill_cell(cell, rgb):
-        x0, y0 = cell[1] * cell_px, cell[0] * cell_px
-        draw.rectangle([x0, y0, x0 + cell_px - 1, y0 + cell_px - 1], fill=rgb)
-
-    for r, row in enumerate(maze.walls):
-        for c, wall in enumerate(row):
-            if wall:
-                fill_cell((r, c), WALL_RGB)
-    fill_cell(maze.goal, GOAL_RGB)
+    image, draw = draw_board(maze, cell_px)
     for cell in set(map(tuple, vacated)) - {tuple(agent)}:
         draw.point(_visgym_disc(cell, cell_px), fill=PATH_RGB)
     draw.point(_visgym_disc(agent, cell_px), fill=AGENT_RGB)

@@ -58,3 +58,15 @@ def test_the_tail_average_is_the_mean_of_the_deltas():
         tail.add(state)
     exact = sum(delta(s, "m") for s in states) / 5
     assert torch.allclose(delta(tail.state, "m"), exact, atol=1e-10) and tail.dropped < 1e-7
+
+
+def test_after_each_step_the_published_policy_is_the_current_one_until_the_tail_begins():
+    tail = average.TailAverage(first_step=3, rank=2)
+    states = [lora(torch.full((4, 2), float(k)), torch.ones(2, 5)) for k in range(1, 5)]
+    for step, state in zip((1, 2), states):
+        assert tail.after_step(step, state) == (state, {})  # before the tail: the current policy, nothing added
+    assert tail.count == 0
+    published, metrics = tail.after_step(3, states[2])
+    assert published is tail.state and tail.count == 1 and metrics == {"average_dropped": tail.dropped}
+    published, _ = tail.after_step(4, states[3])
+    assert torch.allclose(delta(published, "m"), (delta(states[2], "m") + delta(states[3], "m")) / 2)

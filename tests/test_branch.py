@@ -12,10 +12,12 @@ import torch
 
 import branch
 import env
+import gigpo
 import grpo
 import policy
 import update
 import rollout
+import tis
 import train
 from tasks.maze import ACTION_STRINGS, STOP_ACTION, MazeTask, generate_maze, generate_maze_visgym, parse_action, solve
 from tasks.visgym_maze import VisGymMazeTask
@@ -104,14 +106,14 @@ def test_points_prefer_forks_where_the_group_disagreed_or_failed():
 # ----------------------------------------------------------------------------- the estimator's pieces
 
 def test_branch_returns_and_the_best_branch():
-    assert grpo.branch_return(1, 1.0, 0.9) == 1.0  # stop on the goal: the forced move itself is rewarded
-    assert grpo.branch_return(3, 1.0, 0.9) == pytest.approx(0.81)
-    assert grpo.branch_return(3, 0.0, 0.9) == 0.0
-    assert grpo.best_branch([0.0, 0.81, 0.9]) == 2
-    assert grpo.best_branch([0.0, 0.0, 0.0]) is None  # every branch failed: no target
-    assert grpo.best_branch([0.9, 0.9, 0.0]) is None  # a tie says nothing about the fork
-    assert grpo.best_branch([0.0]) is None and grpo.best_branch([0.5]) == 0  # one branch: only if it succeeds
-    row = grpo.branch_target_advantages([0, 0, 1, 1, 1], 0.5)
+    assert branch.branch_return(1, 1.0, 0.9) == 1.0  # stop on the goal: the forced move itself is rewarded
+    assert branch.branch_return(3, 1.0, 0.9) == pytest.approx(0.81)
+    assert branch.branch_return(3, 0.0, 0.9) == 0.0
+    assert branch.best_branch([0.0, 0.81, 0.9]) == 2
+    assert branch.best_branch([0.0, 0.0, 0.0]) is None  # every branch failed: no target
+    assert branch.best_branch([0.9, 0.9, 0.0]) is None  # a tie says nothing about the fork
+    assert branch.best_branch([0.0]) is None and branch.best_branch([0.5]) == 0  # one branch: only if it succeeds
+    row = branch.target_advantages([0, 0, 1, 1, 1], 0.5)
     assert row.tolist() == [0.0, 0.5, 0.5, 0.5]  # shifted: entry j is about token j + 1
 
 
@@ -125,7 +127,8 @@ def test_forced_tokens_are_left_out_of_tis_and_the_mismatch():
     rollout_lp = lp.detach() + 0.3 * mask  # sampled tokens: the engine differs by 0.3 nats
     rollout_lp[1, 2:5] = rollout.NO_LOGPROB  # row 1 is a forced reply
     adv = torch.tensor([[0.0, 1.0, 1.0, 0, 0, 0], [0, 0, 2.0, 2.0, 2.0, 0]])
-    loss, m = grpo.policy_loss(lp, lp.detach(), adv, mask, rollout_logprobs=rollout_lp, tis_cap=2.0)
+    weights, m = tis.TruncatedIS(2.0)(lp.detach(), rollout_lp, mask)
+    loss, _ = grpo.policy_loss(lp, lp.detach(), adv, mask, token_weights=weights)
     loss.backward()
     assert math.isfinite(loss.item()) and torch.isfinite(logits.grad).all()
     assert m["tis_weight_mean"] == pytest.approx(math.exp(-0.3))  # the sampled tokens' weight only
@@ -262,7 +265,8 @@ def _fork_updates(model_dir: str, sequences: dict, grpo_rows: list, branch_rows:
         optimizer, scheduler = fresh()
         xs = [grpo.Experience(seq, adv, ep) for seq, adv, ep in rows]
         stats = update.grpo_update(cfg, model, optimizer, scheduler, policy.Batch([x.sequence for x in xs],
-                                  chat.processor, model), xs, 8, torch.device("cpu"))
+                                   chat.processor, model), xs, 8, torch.device("cpu"),
+                                   reweight=tis.TruncatedIS(cfg.tis_cap))
         out[name] = p_right()
         out[name + "_mismatch"] = stats["mismatch_abs_mean"]
     results.put(out)
@@ -289,10 +293,11 @@ def test_the_branch_term_lifts_a_confidently_wrong_fork_like_an_sft_step(engine,
     print("branches:", dict(zip(point.actions, point.returns)))
     assert point.best is not None and point.actions[point.best] == right  # the branches found the right move
 
-    grpo_xs, _ = grpo.episode_experiences(episodes, gamma=cfg.gamma, step_adv_weight=cfg.step_adv_weight,
-                                          scale_by_std=cfg.scale_adv_by_std)  # one group (group_id 0)
+    advantages, _ = grpo.episode_advantages(episodes, scale_by_std=cfg.scale_adv_by_std)  # one group (group_id 0)
+    gigpo.add_step_term(advantages, episodes, cfg.step_adv_weight, cfg.gamma, cfg.scale_adv_by_std)
+    grpo_xs = grpo.to_experiences(episodes, advantages)
     target = branch.target_sequence(point.branches[point.best], FORK_TURN, chat, None)
-    branch_row = (target, grpo.branch_target_advantages(target.response_mask, cfg.branch_weight), 0)
+    branch_row = (target, branch.target_advantages(target.response_mask, cfg.branch_weight), 0)
     out = in_fresh_process(_fork_updates, str(warm_start), {"right": target},
                            [(x.sequence, x.advantages, x.episode) for x in grpo_xs], [branch_row], timeout=600)
     print("p_T(right) at the fork:", {k: round(v, 5) for k, v in out.items()})

@@ -46,6 +46,7 @@ def _record_collectives(model_dir: str, results):
     import policy
     import update
     import rollout
+    import tis
     import sft
     import train
 
@@ -70,7 +71,8 @@ def _record_collectives(model_dir: str, results):
                    for i, s in enumerate(seqs)]
     optimizer = update.make_optimizer(model, 1e-3)
     update.grpo_update(cfg, model, optimizer, update.make_scheduler(optimizer, cfg),
-                      policy.Batch(seqs, chat.processor, model), experiences, 3, torch.device("cpu"))
+                       policy.Batch(seqs, chat.processor, model), experiences, 3, torch.device("cpu"),
+                       reweight=tis.TruncatedIS(cfg.tis_cap))
     distributed.mean_over_ranks({"a": 1.0})
     distributed.broadcast_object("x")
     distributed.all_gather_objects(1)

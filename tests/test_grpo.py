@@ -10,9 +10,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from grpo import (  # noqa: E402
+    IDLE_METRICS,
     chunked_token_logprobs,
-    discounted_returns,
-    episode_experiences,
+    episode_advantages,
     group_advantages,
     kl_k3,
     logprob_mismatch,
@@ -20,9 +20,8 @@ from grpo import (  # noqa: E402
     policy_loss,
     reply_count,
     spread_over_replies,
-    step_advantages,
+    to_experiences,
     token_logprobs,
-    turn_values,
 )
 
 # ----------------------------------------------------------------------------- advantages
@@ -57,52 +56,27 @@ def test_all_equal_non_representable_reward_is_exactly_zero():
     assert (adv == 0).all()
 
 
-def test_discounted_returns():
-    assert discounted_returns([0.0, 0.0, 1.0], 0.5) == [0.25, 0.5, 1.0]
-    assert discounted_returns([0.0, 0.0], 0.9) == [0.0, 0.0]
-    assert discounted_returns([0.0, 1.0], 1.0) == [1.0, 1.0]
-    # shaping terms along the way: G_1 = 0.1 + 0.5 * 1.0, G_0 = -0.1 + 0.5 * G_1
-    assert discounted_returns([-0.1, 0.1, 1.0], 0.5) == pytest.approx([0.2, 0.6, 1.0])
-
-
-def test_episode_experiences_put_each_turns_advantage_on_its_reply_tokens():
-    """Two groups of two: A^E from the rewards within each group, A^S from the turns that left the
-    same state (state key), A_t = A^E + w * A^S_t on every token of reply t and nowhere else."""
+def test_episode_advantages_put_each_episodes_advantage_on_its_reply_tokens():
+    """Two groups of two: A^E from the rewards within each group, once per turn played, on every
+    token of that turn's reply and nowhere else (gigpo.py adds its step term to the same lists)."""
     from types import SimpleNamespace
 
-    def episode(group, cells, reward):
-        mask = [0, 0] + [m for _ in cells for m in (1, 1, 0)]  # a 2-token prompt, then reply, observation
-        seq = SimpleNamespace(response_mask=mask)
-        turns = [SimpleNamespace(key=cell) for cell in cells]
-        return SimpleNamespace(group_id=group, played=turns, reward=reward, num_turns=len(cells), sequences=[seq])
+    def episode(group, turns, reward):
+        mask = [0, 0] + [m for _ in range(turns) for m in (1, 1, 0)]  # a 2-token prompt, then reply, observation
+        return SimpleNamespace(group_id=group, reward=reward, num_turns=turns,
+                               sequences=[SimpleNamespace(response_mask=mask)])
 
-    a, b = (0, 0), (0, 1)
-    episodes = [episode(0, [a, b], 1.0), episode(0, [a, a], 0.0),  # same first cell, different outcome
-                episode(1, [a], 0.0), episode(1, [b], 0.0)]  # a group without spread
-    experiences, stats = episode_experiences(episodes, gamma=0.5, step_adv_weight=1.0, scale_by_std=False)
+    episodes = [episode(0, 2, 1.0), episode(0, 2, 0.0), episode(1, 1, 0.0), episode(1, 1, 0.0)]
+    advantages, stats = episode_advantages(episodes, scale_by_std=False)
+    assert advantages == [[0.5, 0.5], [-0.5, -0.5], [0.0], [0.0]]
+    assert stats["zero_variance_group_frac"] == 0.5 and stats["num_groups"] == 2 and "reward_mean" not in stats
+    advantages[0][1] = 0.25  # a turn's own value (GiGPO's) goes on that turn's reply only
+    experiences = to_experiences(episodes, advantages)
     assert [x.episode for x in experiences] == [0, 1, 2, 3]
-    # group 0: A^E = +-0.5. Anchor (group 0, cell a) holds three turns with returns
-    # G = 0.5 (episode 0, turn 0), 0 and 0 (episode 1): mean 1/6. Cell b's one turn has no partner.
-    expected = [[0.5 + (0.5 - 1 / 6), 0.5 + 0.0], [-0.5 - 1 / 6, -0.5 - 1 / 6], [0.0], [0.0]]
-    for x, values in zip(experiences, expected):
-        row = x.advantages.tolist()
-        mask = x.sequence.response_mask[1:]
-        replies = [row[j] for j in range(len(row)) if mask[j]]
-        assert replies == pytest.approx([v for v in values for _ in range(2)])
+    for x, values in zip(experiences, advantages):
+        row, mask = x.advantages.tolist(), x.sequence.response_mask[1:]
+        assert [row[j] for j in range(len(row)) if mask[j]] == pytest.approx([v for v in values for _ in range(2)])
         assert all(row[j] == 0 for j in range(len(row)) if not mask[j])
-    assert stats["zero_variance_group_frac"] == 0.5 and stats["num_groups"] == 2
-    assert stats["step_adv_nonzero_frac"] == pytest.approx(3 / 6)
-
-
-def test_step_advantages_compare_turns_from_the_same_state():
-    # anchor 0: returns 0.5, 0.25, 0.5 -> mean 5/12, sample std sqrt((1/144 + 4/144 + 1/144) * 3 / 2)...
-    returns = torch.tensor([0.5, 0.25, 0.5, 1.0, 1.0, 0.3], dtype=torch.float64)
-    anchors = torch.tensor([0, 0, 0, 1, 1, 2])
-    centred = torch.tensor([1 / 12, -2 / 12, 1 / 12], dtype=torch.float64)
-    std = (centred.pow(2).sum() / 2).sqrt()
-    adv = step_advantages(returns, anchors)
-    torch.testing.assert_close(adv[:3], centred / (std + 1e-6))
-    assert (adv[3:] == 0).all()  # all-equal anchor group, and a state no other turn visited
 
 
 def test_per_token_advantages_equal_broadcast_ones_when_constant():
@@ -173,38 +147,25 @@ def test_clipping_zeroes_gradient_and_counts():
         assert m["clip_frac"] == pytest.approx(0.25 if clipped else 0.0)
 
 
-def test_truncated_importance_sampling_weights_each_token_by_the_capped_ratio():
-    # pi_old / pi_rollout per token: 1 (the engine agreed), 1.5, 3 (capped at 2), 0.5
+def test_token_weights_scale_each_tokens_policy_gradient_term():
     old = torch.log(torch.tensor([[0.5, 0.3, 0.6, 0.2]]))
-    rollout = old - torch.log(torch.tensor([[1.0, 1.5, 3.0, 0.5]]))
+    weights = torch.tensor([[1.0, 1.5, 2.0, 0.5]])
     mask = torch.ones(1, 4)
     plain_loss, _, plain = _grad(old, old_logprobs=old, advantages=torch.tensor([1.0]), response_mask=mask)
     loss, m, g = _grad(old, old_logprobs=old, advantages=torch.tensor([1.0]), response_mask=mask,
-                       rollout_logprobs=rollout, tis_cap=2.0)
-    # L_t <- min(ratio, C) * L_t: the gradient of each token scaled by its weight
-    torch.testing.assert_close(g, plain * torch.tensor([[1.0, 1.5, 2.0, 0.5]]))
+                       token_weights=weights)
+    torch.testing.assert_close(g, plain * weights)  # L_t <- w_t * L_t
     assert loss.item() == pytest.approx(plain_loss.item() * (1 + 1.5 + 2 + 0.5) / 4)
-    assert m["tis_weight_mean"] == pytest.approx(5 / 4) and m["tis_capped_frac"] == pytest.approx(0.25)
-    # off (cap 0), or no rollout logprobs: the plain loss, weight reported as 1
-    for kw in (dict(rollout_logprobs=rollout, tis_cap=0.0), dict()):
-        loss2, m2, g2 = _grad(old, old_logprobs=old, advantages=torch.tensor([1.0]), response_mask=mask, **kw)
-        assert torch.equal(g2, plain) and m2["tis_weight_mean"] == 1.0 and m2["tis_capped_frac"] == 0.0
-    # masked positions: no weight, whatever the rollout said there
-    mask = torch.tensor([[1.0, 1.0, 0.0, 0.0]])
-    _, m, _ = _grad(old, old_logprobs=old, advantages=torch.tensor([1.0]), response_mask=mask,
-                    rollout_logprobs=rollout, tis_cap=2.0)
-    assert m["tis_weight_mean"] == pytest.approx(1.25) and m["tis_capped_frac"] == 0.0
+    assert m["pg_loss"] == pytest.approx(loss.item())
+    assert set(m) == set(IDLE_METRICS)  # what a step that trains nothing reports has every metric
 
 
 def test_each_reply_carries_its_turns_advantage():
     # prompt, reply 0 (2 tokens), observation, reply 1 (3 tokens): the row drops the first token
     mask = [0, 0, 1, 1, 0, 0, 0, 1, 1, 1]
     assert reply_count(mask) == 2 and reply_count([1, 1, 0, 1]) == 2 and reply_count([0, 0]) == 0
-    values = turn_values(0.5, [0.2, -0.4], weight=0.5)  # A_t = A_episode + w * A_step_t
-    assert values == pytest.approx([0.6, 0.3])
-    row = spread_over_replies(mask, values)
+    row = spread_over_replies(mask, [0.6, 0.3])
     torch.testing.assert_close(row, torch.tensor([0, 0.6, 0.6, 0, 0, 0, 0.3, 0.3, 0.3]))
-    assert turn_values(0.5, [0.2, -0.4], weight=0.0) == [0.5, 0.5]  # plain GRPO
     with pytest.raises(ValueError, match="2 replies in the mask, 3 values"):
         spread_over_replies(mask, [1.0, 2.0, 3.0])
 

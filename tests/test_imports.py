@@ -11,6 +11,8 @@ ROOT = Path(__file__).resolve().parent.parent
 ALLOWED = {
     "env": set(),
     "grpo": set(),
+    "gigpo": {"grpo"},
+    "tis": {"grpo"},
     "distributed": set(),
     "vllm_engine": set(),
     "task_check": {"env", "tasks"},
@@ -25,14 +27,15 @@ ALLOWED = {
     "branch": {"env", "grpo", "rollout"},
     "average": set(),
     "evaluation": {"average", "distributed", "env", "policy", "rollout", "rundir", "vllm_engine"},
-    "train": {"average", "branch", "checkpoint", "config", "distributed", "env", "evaluation", "grpo", "policy",
-              "rollout", "rundir", "storage", "tasks", "update", "vllm_engine"},
+    "probe": {"rollout", "vllm_engine"},
+    "train": {"average", "branch", "checkpoint", "config", "distributed", "env", "evaluation", "gigpo", "grpo",
+              "policy", "probe", "rollout", "rundir", "storage", "tasks", "tis", "update", "vllm_engine"},
     "sft": {"config", "env", "grpo", "policy", "rollout", "rundir", "storage", "tasks"},
     "serve": {"checkpoint", "config", "env", "evaluation", "policy", "rollout", "tasks", "vllm_engine"},
 }
 # The trainer knows a task only through env.py's interface: these modules name no task's things.
-TRAINER = ("train", "rollout", "grpo", "update", "policy", "branch", "evaluation", "vllm_engine", "average",
-           "checkpoint", "rundir")
+TRAINER = ("train", "rollout", "grpo", "gigpo", "tis", "update", "policy", "branch", "evaluation", "probe",
+           "vllm_engine", "average", "checkpoint", "rundir")
 
 
 def imported(path: Path) -> set[str]:

@@ -225,7 +225,7 @@ def _update_check(model_dir: str, results):
     rec = GradientRecorder([p for _, p in policy.lora_parameters(model)])
     stats = update.grpo_update(cfg, model, rec, rec, batch, experiences(), 4, torch.device("cpu"))
     two_pass = experiences()
-    update.fill_old_logprobs(model, batch, two_pass, cfg, torch.device("cpu"), with_ref=False)
+    update.fill_old_logprobs(model, update.Lockstep(cfg, batch, torch.device("cpu")), two_pass, with_ref=False)
     update.grpo_update(cfg, model, rec, rec, batch, two_pass, 4, torch.device("cpu"))
     rec.zero_grad()  # by hand: every sequence, normalised by all response tokens
     inputs, mask, _ = batch.micro([0, 1, 2, 3], torch.device("cpu"))

@@ -22,10 +22,12 @@ import torch.distributed as dist  # noqa: E402
 
 import distributed  # noqa: E402
 import env  # noqa: E402
+import gigpo  # noqa: E402
 import grpo  # noqa: E402
 import policy  # noqa: E402
 import update  # noqa: E402
 import sft  # noqa: E402
+import tis  # noqa: E402
 import train  # noqa: E402
 from tasks.maze import MazeTask  # noqa: E402
 
@@ -78,8 +80,9 @@ def main(model_dir: str, out: str):
     mine = [e for e in episodes if e.group_id // (4 // world) == rank]  # whole groups per rank
     advantages, _ = grpo.group_advantages(torch.tensor([e.reward for e in mine]),  # reported below
                                           torch.tensor([e.group_id for e in mine]))
-    experiences, _ = grpo.episode_experiences(mine, gamma=cfg.gamma, step_adv_weight=cfg.step_adv_weight,
-                                              scale_by_std=cfg.scale_adv_by_std)
+    turn_advantages, _ = grpo.episode_advantages(mine, scale_by_std=cfg.scale_adv_by_std)
+    gigpo.add_step_term(turn_advantages, mine, cfg.step_adv_weight, cfg.gamma, cfg.scale_adv_by_std)
+    experiences = grpo.to_experiences(mine, turn_advantages)
     batch = policy.Batch([x.sequence for x in experiences], chat.processor, model)
 
     names = [n for n, _ in policy.lora_parameters(model)]
@@ -101,7 +104,8 @@ def main(model_dir: str, out: str):
             return [0.0]
 
     rec = Recorder()
-    update.grpo_update(cfg, model, rec, rec, batch, experiences, len(mine), torch.device("cpu"))
+    update.grpo_update(cfg, model, rec, rec, batch, experiences, len(mine), torch.device("cpu"),
+                       reweight=tis.TruncatedIS(cfg.tis_cap))
     all_adv = distributed.all_gather_objects([(e.sample_id, float(a)) for e, a in zip(mine, advantages)])
     sequences = int(distributed.sum_over_ranks([len(experiences)])[0])
     if rank == 0:
