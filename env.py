@@ -18,9 +18,11 @@ Which trainer feature needs which method (`features` says what a task class has)
 
     method                    needed by                                       without it
     instructions, parse,      every rollout and evaluation                    (required)
-      apply, render, reply,
+      apply, render,
       state_key, start
-    text                      what each later user turn says                  the feedback alone
+    reply                     SFT demonstrations, branch rollouts' forced     "<answer>action</answer>"
+                              replies
+    text                      what each later user turn says                  "This is step N." + feedback
     state, set_state          branch rollouts (a fork is replayed from its    no branch rollouts
                               snapshot), evaluation's per-turn records
     legal_actions             branch rollouts: the replies forced at a fork   every action in `actions`
@@ -98,8 +100,9 @@ class Task:
 
     def reply(self, action) -> str:
         """The reply that plays `action`, as the model should learn to write it: what SFT
-        demonstrates and branch rollouts force. `parse(reply(a)) == a`."""
-        raise NotImplementedError
+        demonstrates and branch rollouts force. `parse(reply(a)) == a`. By default the action in
+        answer tags, as the shipped tasks' parsers read it."""
+        return f"<answer>{action}</answer>"
 
     def state_key(self):
         """A hashable summary of the state: equal for two turns exactly when they face the same
@@ -108,8 +111,9 @@ class Task:
         raise NotImplementedError
 
     def text(self, feedback: str) -> str:
-        """The user text that shows the current state, after the last action's `feedback`."""
-        return feedback
+        """The user text that shows the current state, after the last action's `feedback`. By
+        default the turn's number, then the feedback."""
+        return f"This is step {self.turn}." + (f" {feedback}" if feedback else "")
 
     def invalid_feedback(self, reply: str) -> str:
         """What the next turn says about a reply `parse` could not read."""

@@ -4,7 +4,8 @@ The picture is a square of wall with one row of open cells across its middle; th
 moves left or right, one cell a turn, and earns 1.0 only for stopping on the target (red). It speaks the maze's
 language (its replies, colours and instructions), so a maze policy can play it from the start.
 Train it with `python train.py --task line --difficulty short`; tests/test_line.py does, and
-task_check.py checks it keeps the interface's promises. Everything env.Task asks for is here.
+task_check.py checks it keeps the interface's promises. Everything env.Task asks for is here
+or is its default (`text`, `reply`).
 """
 
 import random
@@ -61,12 +62,6 @@ class LineTask(env.Task):
         cx, cy, r = (self.agent + 1.5) * CELL, (row + 0.5) * CELL, CELL / 4
         draw.ellipse([cx - r, cy - r, cx + r, cy + r], fill=AGENT_RGB)
         return image
-
-    def text(self, feedback: str) -> str:
-        return f"This is step {self.turn}." + (f" {feedback}" if feedback else "")
-
-    def reply(self, action) -> str:
-        return f"<answer>{action}</answer>"
 
     def state_key(self):
         return self.agent

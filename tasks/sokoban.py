@@ -158,12 +158,6 @@ class SokobanTask(env.Task):
         draw.ellipse([cx - r, cy - r, cx + r, cy + r], fill=PLAYER_RGB)
         return image
 
-    def text(self, feedback: str) -> str:
-        return f"This is step {self.turn}." + (f" {feedback}" if feedback else "")
-
-    def reply(self, action) -> str:
-        return f"<answer>{action}</answer>"
-
     def state_key(self):
         return self.player, self.box
 
