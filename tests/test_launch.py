@@ -26,6 +26,7 @@ import pytest
 import yaml
 
 import env
+from launch.restart_check import latest_step, metrics, workers  # a run's lines, its checkpoint, its workers
 from tasks.maze import MazeTask, eval_mazes, solve
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -93,32 +94,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def metrics(out: Path) -> list[dict]:
-    path = out / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-
-def workers(launcher: subprocess.Popen) -> list[int]:
-    """PIDs of the train.py processes torchrun started (bash exec'd torchrun: same PID)."""
-    try:
-        children = psutil.Process(launcher.pid).children()
-    except psutil.NoSuchProcess:
-        return []
-    alive = []
-    for child in children:
-        try:
-            if child.status() != psutil.STATUS_ZOMBIE and "train.py" in child.cmdline():
-                alive.append(child.pid)
-        except psutil.NoSuchProcess:
-            pass
-    return alive
-
-
-def latest_step(out: Path) -> int | None:
-    pointer = out / "checkpoints" / "latest"
-    return int(pointer.read_text().split("_")[1]) if pointer.exists() else None
 
 
 def assert_one_line_per_step_and_the_uninterrupted_maze_stream(out: Path, steps: int, eval_mazes: int = 2):
