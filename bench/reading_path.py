@@ -21,7 +21,7 @@ Per project file (the repository's own .py files at the top level and in tasks/)
 
 and the functions on the path longer than LONG_FUNCTION lines. Each recipe runs in a process of
 its own (a process holds one process group and one engine): `tiny` (train.py's defaults, branch
-rollouts on) and `qwen3-vl` (the published plain GRPO: no branches, 48 puzzles a step, 32-token
+rollouts on) and `qwen3-vl` (the published run's shape: no branches, 48 puzzles a step, 32-token
 replies). The project runs its code on the main thread, which is the thread traced.
 """
 

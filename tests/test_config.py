@@ -70,7 +70,7 @@ def test_model_dependent_defaults(tiny_model, tmp_path):
     cfg = config.Config(max_new_tokens=12)
     cfg.resolve_model_defaults(str(real))
     assert (cfg.lora_rank, cfg.lora_alpha, cfg.max_new_tokens) == (32, 64, 12)  # a value given stays
-    assert cfg.branch_points_per_group == 0  # a real model: the published recipe's plain GRPO
+    assert cfg.branch_points_per_group == 0  # a real model: the published recipe runs without branch rollouts
     assert (cfg.prompts_per_step, cfg.micro_batch_tokens) == (48, 16384)
     cfg = config.Config(branch_points_per_group=0)
     cfg.resolve_model_defaults(str(tiny_model))
