@@ -81,7 +81,7 @@ def local_rank(pid: int) -> str:
         return "?"
 
 
-def wait_for(condition, what: str, launcher: subprocess.Popen, log: Path, poll: float = 0.05):
+def wait_for(condition, what: str, launcher: subprocess.Popen, poll: float = 0.05):
     deadline = time.time() + WAIT_S
     while time.time() < deadline:
         value = condition()
@@ -139,7 +139,7 @@ def run_with_kills(out: Path, kills: int, rng: random.Random, nproc: int = 2, st
 
     try:
         attempt = set(wait_for(lambda: (w := workers(launcher)) and len(w) == nproc and w,
-                               "the first attempt's workers", launcher, log))
+                               "the first attempt's workers", launcher))
         started = time.time()
         for k in range(1, kills + 1):
             near_end = lambda: len(metrics(out)) >= steps - 1  # noqa: E731  (the kill must not miss the run)
@@ -147,16 +147,16 @@ def run_with_kills(out: Path, kills: int, rng: random.Random, nproc: int = 2, st
             if during[(k - 1) % len(during)] == "any" or base + 1 > steps - 1:
                 at = rng.uniform(0, window_s)  # into this attempt, start-up included
                 wait_for(lambda: observe() or time.time() - started >= at or near_end(),
-                         f"the moment of kill {k}", launcher, log)
+                         f"the moment of kill {k}", launcher)
             else:  # "steps": in the step after one of this attempt's steps, drawn at random
                 after = rng.randint(base + 1, steps - 1)
                 wait_for(lambda: observe() or ((not records or records[-1]["first_step_s"] is not None)
                                               and len(metrics(out)) >= after),
-                         f"step {after} of attempt {k - 1}", launcher, log)
+                         f"step {after} of attempt {k - 1}", launcher)
                 at = rng.uniform(0, metrics(out)[-1]["step_s"])
                 pause = time.time()
                 wait_for(lambda: observe() or time.time() - pause >= at or near_end(),
-                         f"the moment of kill {k}", launcher, log)
+                         f"the moment of kill {k}", launcher)
                 at = time.time() - started
             victim = rng.choice(sorted(attempt))
             rank = local_rank(victim)
@@ -165,7 +165,7 @@ def run_with_kills(out: Path, kills: int, rng: random.Random, nproc: int = 2, st
             # the killed attempt is gone once the next one's workers run: `latest` is final then, and
             # the metrics file still holds every line the killed attempt wrote
             attempt = set(wait_for(lambda: (w := workers(launcher)) and len(w) == nproc and not set(w) & attempt
-                                   and w, f"restart {k}'s workers", launcher, log))
+                                   and w, f"restart {k}'s workers", launcher))
             started, latest, done = time.time(), latest_step(out), len(metrics(out))
             records.append(dict(kill=k, local_rank=rank, killed=killed, into_attempt_s=round(at, 1), steps_done=done, latest=latest,
                                 start=latest or 0, redone=done - (latest or 0), restarted_s=round(started - killed, 1),

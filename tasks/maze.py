@@ -360,9 +360,6 @@ class MazeTask(env.Task):
     def text(self, feedback: str) -> str:
         return observation_text(self.turn, feedback)
 
-    def reply(self, action) -> str:
-        return f"<answer>{action}</answer>"
-
     # --- the rules
 
     def start(self):
