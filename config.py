@@ -253,6 +253,8 @@ class Config(*reversed(SECTIONS)):
         config.json and checkpoints hold the values used."""
         from transformers import AutoConfig
 
+        if self.recipe not in ("auto", *RECIPES):  # validate() runs after this, on the recipe's values
+            raise SystemExit(f"bad config: recipe must be auto or one of {list(RECIPES)}, not {self.recipe!r}")
         if self.recipe == "auto":
             wide = AutoConfig.from_pretrained(model_path).text_config.hidden_size >= TINY_HIDDEN_SIZE
             self.recipe = "qwen3-vl" if wide else "tiny"

@@ -84,6 +84,11 @@ def test_model_dependent_defaults(tiny_model, tmp_path):
     assert (cfg.max_new_tokens, cfg.prompts_per_step) == (32, 48)
 
 
+def test_an_unknown_recipe_is_one_line_before_the_model_is_read(tiny_model):
+    with pytest.raises(SystemExit, match=r"^bad config: recipe must be auto or one of \['tiny', 'qwen3-vl'\], not 'bogus'$"):
+        config.parse_config(["--recipe", "bogus"]).resolve_model_defaults(str(tiny_model))
+
+
 def test_help_shows_the_values_a_run_uses(capsys):
     """No placeholder defaults: --help shows the tiny recipe's values in the fields and the qwen3-vl
     recipe's beside --recipe."""
