@@ -8,7 +8,7 @@ GRPO's own math. The additions live in their own modules: GiGPO's step-level ter
 truncated importance sampling (tis.py), branch rollouts' targets (branch.py).
 
 Everything here is plain tensor math with no model or engine in sight (an episode is read only
-for its rewards, the states it visited and its sequences' masks), so it can be read top to bottom
+for its rewards and its sequences' masks), so it can be read top to bottom
 and unit-tested on CPU. Shapes: B sequences, T token positions.
 
 References

@@ -20,8 +20,8 @@ form is what we store, because the trainer's forward pass needs it too.
 
 What a turn costs (bench/bench.py measures it). Every turn re-sends each episode's whole
 conversation, images included. Prefix caching makes the engine compute only the new tokens, but
-vLLM would still hash every image of every prompt to look it up; we hash each image once, when
-the env renders it, and pass the digest as its `multi_modal_uuids` entry. Replies are decoded
+vLLM would still hash every image of every prompt to look it up; we hash each image once, the
+first time a prompt sends it, and pass the digest as its `multi_modal_uuids` entry. Replies are decoded
 once per turn in one batch, instead of token by token inside the engine (`detokenize=False`).
 """
 
