@@ -35,6 +35,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import env  # noqa: E402
+import rundir  # noqa: E402
 import tasks  # noqa: E402
 
 # A short run of the tiny model: one maze per rank and step, 3 turns, 2 evaluation mazes at the
@@ -49,8 +50,10 @@ class RestartFailed(Exception):
 
 
 def metrics(out: Path) -> list[dict]:
+    """The run's metrics lines so far; a last line still being written (torn) is not one yet."""
     path = out / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    lines = path.read_text().splitlines() if path.exists() else []
+    return [json.loads(line) for line in lines if rundir.metrics_step(line) is not None]
 
 
 def latest_step(out: Path) -> int | None:

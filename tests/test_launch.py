@@ -25,9 +25,8 @@ import psutil
 import pytest
 import yaml
 
-import env
-from launch.restart_check import latest_step, metrics, workers  # a run's lines, its checkpoint, its workers
-from tasks.maze import MazeTask, eval_mazes, solve
+from launch.restart_check import latest_step, metrics, uninterrupted_seeds, workers  # a run's lines, checkpoint, workers
+from tasks.maze import eval_mazes, solve
 
 ROOT = Path(__file__).resolve().parent.parent
 # Smaller than test_train.py's runs: 2 evaluation mazes, evaluation only at the start and the end.
@@ -96,14 +95,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def assert_one_line_per_step_and_the_uninterrupted_maze_stream(out: Path, steps: int, eval_mazes: int = 2):
+def assert_one_line_per_step_and_the_uninterrupted_maze_stream(out: Path, steps: int):
     lines = metrics(out)
     assert [m["step"] for m in lines] == list(range(1, steps + 1))
     # the seeds a run that never crashed would have drawn: none repeated, none skipped
-    stream = env.TrainingStream(MazeTask, "small", eval_n=eval_mazes)
-    expected = [[stream.next().seed for _ in range(2)] for _ in range(steps)]
-    assert [m["seeds"] for m in lines] == expected
-    assert lines[-1]["stream_position"] == stream.position
+    seeds, position = uninterrupted_seeds(out, steps)
+    assert [m["seeds"] for m in lines] == seeds and len(seeds[0]) == 2
+    assert lines[-1]["stream_position"] == position
     # the summary's time in steps counts the killed process's steps too, not just the last process's
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == steps and abs(summary["steps_s"] - sum(m["step_s"] for m in lines)) < 0.1

@@ -175,3 +175,12 @@ def test_a_random_worker_of_two_killed_at_random_moments_comes_back_every_time(t
         pytest.fail(f"seed {seed}: {e}")
     assert [r["kill"] for r in records] == [1, 2]
     print("[restart]", records)
+
+
+def test_the_checks_reading_of_metrics_skips_a_line_still_being_written(tmp_path):
+    """restart_check polls metrics.jsonl while the run writes it: a torn last line is not a step yet."""
+    from launch.restart_check import metrics
+
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "step_s": 2.0}\n{"step": 2, "step_s": 1.5}\n{"step": 3, "st')
+    assert [m["step"] for m in metrics(tmp_path)] == [1, 2]
+    assert metrics(tmp_path / "nothing-yet") == []
