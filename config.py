@@ -43,8 +43,17 @@ TINY_HIDDEN_SIZE = 1024  # a language model narrower than this is a tiny one (th
 QWEN3_VL_RECIPE = {
     # a real model's reply is a sentence, not one move
     "max_new_tokens": 32,
-    # branch rollouts are untried on a real model and a GPU: the published recipe runs without them
+    # the published run's algorithm is plain GRPO: none of the additions that the tiny recipe measured
+    # (branch rollouts, GiGPO's step term, the tail average, the probe), all untried on a real model;
+    # TIS stays, since the engine's bf16 log-probs differ from the trainer's on a GPU (tis.py)
     "branch_points_per_group": 0,
+    "step_adv_weight": 0.0,
+    "average_frac": 0.0,
+    "probe_states": 0,
+    # the published run's intervals: evaluation every 10 steps, checkpoints and adapter exports every 20
+    "eval_interval": 10,
+    "ckpt_interval": 20,
+    "export_interval": 20,
     # 48 puzzles a step divide among 1, 2, 3, 4, 6 (the published run's), 8, 12, 16, 24 and 48
     # processes (tests/test_config.py starts every documented launch command at its world size)
     "prompts_per_step": 48,

@@ -239,7 +239,8 @@ def train_step(run: Run, step: int, stop: rundir.StopRequest) -> dict | None:
     t0 = time.time()
     turn_advantages, stats = grpo.episode_advantages(episodes, scale_by_std=cfg.scale_adv_by_std)
     # + GiGPO: w x each turn's return normalised among the group's turns from the same state (gigpo.py)
-    stats |= gigpo.add_step_term(turn_advantages, episodes, cfg.step_adv_weight, cfg.gamma, cfg.scale_adv_by_std)
+    if cfg.step_adv_weight:
+        stats |= gigpo.add_step_term(turn_advantages, episodes, cfg.step_adv_weight, cfg.gamma, cfg.scale_adv_by_std)
     experiences = grpo.to_experiences(episodes, turn_advantages) + branch_targets  # each in its parent's mini-batch
     metrics.update(stats)
     timing["advantages_s"] = time.time() - t0
@@ -260,14 +261,17 @@ def train_step(run: Run, step: int, stop: rundir.StopRequest) -> dict | None:
     timing["sync_s"], metrics["sync_bytes"] = sync_stats["sync_s"], sync_stats["sync_bytes"]
     t0 = time.time()
     # + the policy probe: how far this update moved the policy's first action on held-out states (probe.py)
-    metrics.update(run.probe.measure(run.engine, run.lora_request))
+    if cfg.probe_states:
+        metrics.update(run.probe.measure(run.engine, run.lora_request))
     timing["probe_s"] = time.time() - t0
 
     # 5. eval, checkpoint, export on their intervals; one metrics line per step
     completed, t0 = step + 1, time.time()  # the step's number: its metrics line, evaluation and checkpoint
-    # + the tail average: what evaluations and exports publish, the mean of the last steps' LoRA (average.py)
-    published, average_stats = run.tail.after_step(completed, run.lora_state)
-    metrics.update(average_stats)
+    published = run.lora_state  # the policy that evaluations and exports publish: the current one, or
+    # + the tail average: the mean of the last steps' LoRA (average.py)
+    if cfg.average_frac:
+        published, average_stats = run.tail.after_step(completed, run.lora_state)
+        metrics.update(average_stats)
     if completed % cfg.eval_interval == 0 or completed == cfg.steps:
         metrics["eval_solve_rate"] = evaluate(run, completed)["solve_rate"]
     timing["eval_s"] = time.time() - t0

@@ -136,7 +136,10 @@ def summarise(calls: set, lines: set, root: Path) -> dict:
     total = {key: sum(row[key] for row in files.values()) for key in ("functions", "lines", "statements",
                                                                       "code_objects")}
     total["files"] = len(files)
-    return {"files": files, "total": total,
+    functions = sorted(({"function": name, "file": file, "line": first, "lines": last - first + 1}
+                        for file, spans in entered.items() for first, last, name in spans),
+                       key=lambda f: (f["file"], f["line"]))
+    return {"files": files, "total": total, "functions": functions,
             "long_functions": sorted(long_functions, key=lambda f: (-f["lines"], f["file"], f["line"])),
             "outside": outside}
 

@@ -161,7 +161,9 @@ def test_the_reading_path_flags_are_train_pys(recipe, tmp_path):
     cfg.apply_recipe(recipe)
     cfg.validate(1)
     assert min(cfg.eval_interval, cfg.ckpt_interval, cfg.export_interval) > 2 and cfg.steps > 2
-    assert cfg.branch_points_per_group == (0 if recipe == "qwen3-vl" else 2)
+    # the published recipe is plain GRPO (with TIS): its traced step enters none of the other additions
+    additions = (cfg.branch_points_per_group, cfg.step_adv_weight, cfg.average_frac, cfg.probe_states)
+    assert additions == ((0, 0, 0, 0) if recipe == "qwen3-vl" else (2, 1.0, 0.3, 32)) and cfg.tis_cap == 2
 
 
 @pytest.mark.slow
