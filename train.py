@@ -217,8 +217,7 @@ def save_checkpoint(run: Run, step: int) -> Path | None:
 def train_step(run: Run, step: int, stop: rundir.StopRequest) -> dict | None:
     """One step (`step` steps done before it): plain GRPO in five numbered parts, and the additions
     the recipe turns on, each entered by one line marked `+`. Returns the step's metrics line, or
-    None if a stop arrived during the rollouts (the step is given up: it changed nothing but the
-    stream)."""
+    None if a stop arrived during the rollouts (the step is given up: only the stream moved)."""
     cfg, step_start, timing = run.cfg, time.time(), {}
 
     # 1. rollouts: every rank draws the same puzzles from the stream and plays its share
@@ -261,17 +260,15 @@ def train_step(run: Run, step: int, stop: rundir.StopRequest) -> dict | None:
     timing["sync_s"], metrics["sync_bytes"] = sync_stats["sync_s"], sync_stats["sync_bytes"]
     t0 = time.time()
     # + the policy probe: how far this update moved the policy's first action on held-out states (probe.py)
-    if cfg.probe_states:
-        metrics.update(run.probe.measure(run.engine, run.lora_request))
+    metrics.update(run.probe.measure(run.engine, run.lora_request) if cfg.probe_states else {})
     timing["probe_s"] = time.time() - t0
 
     # 5. eval, checkpoint, export on their intervals; one metrics line per step
     completed, t0 = step + 1, time.time()  # the step's number: its metrics line, evaluation and checkpoint
-    published = run.lora_state  # the policy that evaluations and exports publish: the current one, or
-    # + the tail average: the mean of the last steps' LoRA (average.py)
-    if cfg.average_frac:
-        published, average_stats = run.tail.after_step(completed, run.lora_state)
-        metrics.update(average_stats)
+    # + the tail average: what evaluations and exports publish, the mean of the last steps' LoRA (average.py)
+    published, average_stats = (run.tail.after_step(completed, run.lora_state) if cfg.average_frac
+                                else (run.lora_state, {}))
+    metrics.update(average_stats)
     if completed % cfg.eval_interval == 0 or completed == cfg.steps:
         metrics["eval_solve_rate"] = evaluate(run, completed)["solve_rate"]
     timing["eval_s"] = time.time() - t0
