@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 import env
 from conftest import cached_build
@@ -25,8 +27,8 @@ SFT_STEPS = 60
 RUN = ["--task", "line", "--difficulty", "short", "--max-turns", "8", "--train-pool", "4", "--group-size", "8",
        "--eval-puzzles", "4", "--temperature", "1", "--warmup-steps", "0", "--lr-schedule", "constant",
        "--lr", "4e-3", "--sampled-eval-samples", "0", "--progress", "false", "--lora-rank", "8",
-       "--branch-points-per-group", "0", "--probe-states", "0", "--eval-interval", "1000", "--ckpt-interval", "1000",
-       "--export-interval", "1000"]
+       "--branch-points-per-group", "0", "--probe-states", "0", "--average-frac", "0", "--eval-interval", "1000",
+       "--ckpt-interval", "1000", "--export-interval", "1000"]
 STEPS, WINDOW = 8, 4
 
 
@@ -67,6 +69,10 @@ def test_grpo_learns_the_toy_task(tmp_path, line_warm_start):
         rates[negate] = [m["solve_rate"] for m in metrics]
         if not negate:
             assert min(m["zero_variance_group_frac"] for m in metrics[:2]) < 1, "the warm start gave no spread"
+            # --average-frac 0: what the run exports is the last step's own policy, as synced to the engine
+            exported, synced = (load_file(out / where / f"step_{STEPS}" / "adapter_model.safetensors")
+                                for where in ("adapters", "shared/sync"))
+            assert exported.keys() == synced.keys() and all(torch.equal(exported[k], synced[k]) for k in exported)
     print("sampled solve rate per step: GRPO", rates[False], "| flipped", rates[True])
     assert rates[False][0] == pytest.approx(rates[True][0])  # the same start
     last, last_f = (sum(r[-WINDOW:]) / WINDOW for r in (rates[False], rates[True]))
