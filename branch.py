@@ -108,7 +108,7 @@ def choose_points(episodes: list, per_group: int) -> list[tuple[int, int]]:
         states = {}  # state key -> [earliest (turn, episode), replies given there, did a visitor fail]
         for i in members:
             e = episodes[i]
-            ended_unsolved = e.end_reason == "stop" and not e.solved
+            ended_unsolved = e.end_reason in ("stop", "invalid") and not e.solved
             probe = e.task.clone()
             for t, turn in enumerate(e.played):
                 probe.restore(turn.snapshot)

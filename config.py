@@ -109,6 +109,9 @@ class GRPOConfig:
                            meaningful=True)
     tis_cap: float = setting(2.0, "truncated importance sampling against the engine's logprobs; 0: off",
                              meaningful=True)
+    end_on_invalid: bool = setting(False, "an invalid reply (one the task cannot parse) ends the training episode "
+                                          "unsolved instead of spending its turn; evaluation keeps the task's rule",
+                                   meaningful=True, inactive=True)
     branch_points_per_group: int = setting(2, "branch rollouts (branch.py): per group, up to this many decision "
                                               "points its members passed are replayed with every open move forced and the "
                                               "policy finishing each; the best branch's move becomes a target, "

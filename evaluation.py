@@ -144,7 +144,7 @@ def evaluate_run(cfg, engine, chat, lora_request, step: int, out: Path, task_cla
         mine = list(range(dist.get_rank(), len(held_out), dist.get_world_size()))
         sampled = rollout.play_episodes(
             engine, chat, [held_out[i] for i in mine], mine,
-            rollout.Sampling.of(cfg, temperature=cfg.sampled_eval_temperature, seed=cfg.seed + 1),
+            rollout.Sampling.of(cfg, temperature=cfg.sampled_eval_temperature, seed=cfg.seed + 1, end_on_invalid=False),
             samples_per_task=cfg.sampled_eval_samples, lora_request=lora_request, desc=f"sampled eval@{step}",
             progress=False)
         solved, total = distributed.sum_over_ranks([sum(e.solved for e in sampled), len(sampled)])

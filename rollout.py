@@ -197,7 +197,7 @@ class Episode:
     invalid_actions: int = 0
     no_effect_actions: int = 0  # valid actions that changed nothing (a blocked move: the turn is spent)
     truncated_replies: int = 0  # replies cut by the per-turn token limit
-    end_reason: str = ""  # stop | turn_limit | context_limit
+    end_reason: str = ""  # stop | turn_limit | context_limit | invalid
     ended: bool = False
 
     @property
@@ -306,19 +306,22 @@ class Sampling:
     seed is request_seed(seed, its episode's sample id, its turn). With `max_images=k` only the
     last k user turns keep their image (training_sequences then makes one sequence per turn).
     `min_new_tokens` forbids ending a reply earlier (benchmarks set it to `max_new_tokens`: every
-    reply the same length)."""
+    reply the same length). `end_on_invalid` ends an episode at its first invalid reply, unsolved
+    (training's --end-on-invalid; otherwise the reply spends its turn, the task's rule)."""
     temperature: float  # 0: greedy (no log-probs asked for)
     seed: int
     max_new_tokens: int
     max_model_len: int  # an episode whose next prompt and reply would not fit ends ("context_limit")
     max_images: int | None = None  # None: every turn keeps its image (full history)
     min_new_tokens: int = 0
+    end_on_invalid: bool = False
 
     @classmethod
     def of(cls, cfg, **changes) -> "Sampling":
         """A run's (from its Config), with `changes` (another temperature or seed)."""
         return replace(cls(temperature=cfg.temperature, seed=cfg.seed, max_new_tokens=cfg.max_new_tokens,
-                           max_model_len=cfg.max_model_len, max_images=cfg.max_images or None), **changes)
+                           max_model_len=cfg.max_model_len, max_images=cfg.max_images or None,
+                           end_on_invalid=cfg.end_on_invalid), **changes)
 
 
 def play_episodes(engine, chat: ChatFormat, tasks: list, group_ids: list, sampling: Sampling, *,
@@ -370,7 +373,10 @@ def play_turns(engine, chat: ChatFormat, episodes: list, forced: list, sampling:
             turn.reply_ids, turn.reply_logprobs, turn.reply = reply_ids, reply_logprobs, text
             episode.truncated_replies += truncated
             obs = episode.task.step(text)
-            if not episode.record_step(obs):
+            ended = episode.record_step(obs)
+            if not ended and not obs.valid and sampling.end_on_invalid:
+                episode.ended, episode.end_reason = True, "invalid"  # reward 0: the junk reply loses the episode
+            elif not ended:
                 episode.turns.append(chat.open_turn(obs.text, obs.image, episode.task, reply_ids,
                                                     text_only=bool(sampling.max_images)))
                 ids, images = episode.next_prompt(sampling.max_images)
@@ -472,6 +478,6 @@ def rollout_metrics(episodes: list) -> dict:
         "sequence_tokens_mean": sum(len(s.token_ids) for e in episodes for s in e.sequences)
         / max(sum(len(e.sequences) for e in episodes), 1),
     }
-    for reason in ("stop", "turn_limit", "context_limit"):
+    for reason in ("stop", "turn_limit", "context_limit", "invalid"):
         metrics[f"end_{reason}"] = sum(e.end_reason == reason for e in episodes) / n
     return metrics

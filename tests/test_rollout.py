@@ -258,6 +258,35 @@ def test_training_sequences_are_laid_out_from_the_turns():
     assert rollout.training_sequences(episode, chat, 1, trained=[0, 2]) == [per_turn[0], per_turn[2]]
 
 
+def test_end_on_invalid_ends_a_training_episode_at_its_first_unreadable_reply(tiny_model):
+    """--end-on-invalid: the first reply the task cannot parse ends the episode there, unsolved, with
+    the turns played so far kept for training; by the task's own rule it spends its turn instead.
+    Every reply is forced, so no engine is asked."""
+    _, chat = _chat(tiny_model)
+    task = MazeTask.of(generate_maze(7, seed=11), max_turns=4)
+    move = chat.reply_ids(task, task.clone().legal_actions()[0])
+    junk = chat.tokenizer("<answer></answer>", add_special_tokens=False).input_ids + [chat.end_of_reply_id]
+
+    def play(end_on_invalid):
+        game = task.clone()
+        obs = game.reset()
+        episode = rollout.Episode(task=game, group_id=0, sample_id=0,
+                                  turns=[chat.open_turn(game.first_text(obs), obs.image, game)])
+        sampling = rollout.Sampling(temperature=1.0, seed=0, max_new_tokens=8, max_model_len=4096,
+                                    end_on_invalid=end_on_invalid)
+        (episode,) = rollout.play_turns(None, chat, [episode], [[move, junk, junk, junk]], sampling, progress=False)
+        return episode
+
+    kept = play(False)
+    assert (kept.end_reason, kept.num_turns, kept.invalid_actions) == ("turn_limit", 4, 3)
+    ended = play(True)
+    assert (ended.end_reason, ended.num_turns, ended.invalid_actions, ended.reward, ended.solved) == \
+        ("invalid", 2, 1, 0.0, False)
+    assert [t.reply_ids for t in ended.turns] == [move, junk]  # no turn is opened after the junk reply
+    assert sum(ended.sequences[0].response_mask) == len(move) + len(junk)  # both replies are trained
+    assert rollout.rollout_metrics([kept, ended])["end_invalid"] == 0.5
+
+
 def _scripted(batch, mazes, plans):
     """Answer each conversation from its maze's BFS plan (the maze is found by its first image)."""
     first_images = {evaluation.image_url(render(m, m.start)): m.seed for m in mazes}
