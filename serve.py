@@ -386,8 +386,8 @@ def serve(argv: list[str]):
     # A request with top-p/top-k (its own, or the model's generation_config.json defaults) would
     # go to FlashInfer's sampler on a GPU, whose kernels vLLM 0.33's wheel lacks and would fetch or
     # compile at run time (not on an offline node): vLLM's native sampler instead, unless the user
-    # set the variable. Pinned vllm 0.33.0: vllm/envs.py:884-891, read when the engine core
-    # builds its sampler, vllm/v1/sample/ops/topk_topp_sampler.py:118-125 (more in vllm_engine.build_engine).
+    # set the variable (vLLM reads it when the engine core builds its top-k/top-p sampler; more in
+    # vllm_engine.build_engine).
     os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     from vllm.lora.resolver import LoRAResolverRegistry
 

@@ -221,16 +221,14 @@ def settle(engine):
     """Step the in-process engine until its core holds no work, as vLLM's own server loop does
     before it idles (its has_work()), so that release_kv_cache_memory() accepts it.
 
-    In the pinned vllm 0.33.0, release_kv_cache_memory() raises "requires a completed pause
-    first" unless the scheduler is paused, has_requests() is false and the batch queue is empty
-    (v1/engine/core.py:1062-1070). LLM.generate returns while the last step's finished request
-    ids are still held (v1/core/sched/scheduler.py:3054; has_requests() counts them, :3157-3182;
-    only the next schedule() clears them, :1876) and, with async scheduling (on CUDA, on for this
-    executor: config/vllm.py:1685-1719), with a batch scheduled ahead still queued (core.py:758-778);
-    pausing (sleep(level=0), core.py:955-985, 1007-1010) steps nothing. LLMEngine.step()
-    (llm_engine.py:319) runs one step of the in-process core (core_client.py:398-401): it
-    schedules an empty batch, which clears the finished ids, and collects the queued one, whose
-    outputs name finished requests and are dropped (output_processor.py:759-762)."""
+    In the pinned vllm 0.33.0, EngineCore's release_kv_cache_memory() raises "requires a
+    completed pause first" unless the scheduler is paused, has_requests() is false and the batch
+    queue is empty. LLM.generate returns while the last step's finished request ids are still
+    held (the scheduler counts them in has_requests(); only its next schedule() clears them) and,
+    with async scheduling (on CUDA, on for this executor), with a batch scheduled ahead still
+    queued; pausing (sleep(level=0)) steps nothing. LLMEngine.step() runs one step of the
+    in-process core: it schedules an empty batch, which clears the finished ids, and collects the
+    queued one, whose outputs name finished requests and are dropped by the output processor."""
     client = engine.llm_engine.engine_core
     core = getattr(client, "engine_core", None)  # the in-process EngineCore (VLLM_ENABLE_V1_MULTIPROCESSING=0)
     if core is None:
