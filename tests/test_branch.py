@@ -101,6 +101,9 @@ def test_points_prefer_forks_where_the_group_disagreed_or_failed():
     # ... unless a member stopped there, off the goal: a premature stop is a decision to redo
     other[0].end_reason = "stop"
     assert branch.choose_points(group + other, 1) == [(0, 0), (2, 0)]
+    # ... or its reply there was junk that ended the episode (--end-on-invalid): a move is forced there
+    other[0].end_reason = "invalid"
+    assert branch.choose_points(group + other, 1) == [(0, 0), (2, 0)]
 
 
 # ----------------------------------------------------------------------------- the estimator's pieces
