@@ -20,8 +20,7 @@ extra="${EXTRA_STEPS:-1000}"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 py=.venv/bin/python
 task=(--task visgym-maze --difficulty easy --max-turns 15)
-if [ "$layers" = 2 ]; then $py tiny_model.py --task visgym
-else $py tiny_model.py --task visgym --text-layers "$layers" --out "$base"; fi
+$py tiny_model.py --task visgym --text-layers "$layers" --out "$base"  # reused when already built
 [ -f "$out/sft-stage1/model/config.json" ] || $py sft.py --model "$base" \
   --out "$out/sft-stage1" "${task[@]}" --steps 1000 --seed 0
 [ -f "$out/sft/model/config.json" ] || $py sft.py --model "$out/sft-stage1/model" --out "$out/sft" \
