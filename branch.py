@@ -16,7 +16,10 @@ exactly nothing. Branching makes the comparison on purpose. After a step's group
                  finishes each branch at the training temperature with the same turn limit.
     3. returns   G(a) = gamma^k R: R the strict reward of branch a, k its turns after the point (the
                  discount of the step-level term, so a detour that still arrives is worth less).
-    4. target    a* = argmax_a G(a), unless the best is tied (every branch failed, say): then none.
+    4. target    a* = argmax_a G(a), unless the best is tied (every branch failed, say): then none,
+                 or, with `branch_tiebreak progress` (off in the recipe: the published reward is
+                 strict), where every branch failed the one that ended nearest success by the
+                 task's solver (nearest_branch).
                  The point's state with a*'s reply is one extra training row whose only trained
                  tokens are that reply, with advantage w (`branch_weight`): target_advantages has
                  the loss, L = -w log pi_T(a* | s), a cross-entropy toward the winning branch.
@@ -56,6 +59,7 @@ class BranchPoint:
     branches: list  # the played branch episodes, in the order of `actions`
     returns: list  # G(a) = gamma^k R of each branch
     best: int | None  # index into actions of a*; None where the best return is tied
+    tie_broken: bool = False  # a* came from the progress tie-break (every branch failed)
 
 
 def branch_return(turns_played: int, reward: float, gamma: float) -> float:
@@ -71,6 +75,32 @@ def best_branch(returns: list[float]) -> int | None:
     where a member stopped: its one branch is a target only if it succeeds, beating the stop's 0)."""
     best = max(returns, default=0.0)
     return returns.index(best) if best > 0 and returns.count(best) == 1 else None
+
+
+def nearest_branch(branches: list) -> int | None:
+    """The branch that ended nearest success, where every branch failed: the fewest actions the
+    task's solver still needs from its last state (Task.solve; none there: never nearest), if one
+    branch is strictly nearest of two or more. A shaped judgement, not the strict reward: it says a
+    wrong turn into a dead end is worse than a right one that ran out of turns, which the reward
+    cannot, since both score 0."""
+    remaining = []
+    for b in branches:
+        solution = b.task.solve()
+        remaining.append(float("inf") if solution is None else len(solution))
+    nearest = min(remaining, default=float("inf"))
+    if len(branches) < 2 or nearest == float("inf") or remaining.count(nearest) > 1:
+        return None
+    return remaining.index(nearest)
+
+
+def pick_target(returns: list[float], branches: list, tiebreak: str) -> tuple[int | None, bool]:
+    """(a*, whether the tie-break chose it): the best branch by return; where every branch failed
+    and `tiebreak` is "progress", the nearest one (a tie between successes stays untargeted)."""
+    best = best_branch(returns)
+    if best is None and tiebreak == "progress" and max(returns, default=0.0) == 0:
+        nearest = nearest_branch(branches)
+        return nearest, nearest is not None
+    return best, False
 
 
 def target_advantages(response_mask: list[int], weight: float) -> Tensor:
@@ -143,7 +173,7 @@ def play_branches(cfg, engine, chat: rollout.ChatFormat, episodes: list, points:
     for point in found:
         point.branches = [next(played) for _ in point.actions]
         point.returns = [branch_return(b.num_turns - point.turn, b.reward, cfg.gamma) for b in point.branches]
-        point.best = best_branch(point.returns)
+        point.best, point.tie_broken = pick_target(point.returns, point.branches, cfg.branch_tiebreak)
     return found
 
 
@@ -175,6 +205,7 @@ def branch_step(cfg, engine, chat: rollout.ChatFormat, episodes: list, lora_requ
     return experiences, {
         "branch_points": len(points),
         "branch_targets": len(targets),
+        "branch_tiebreak_targets": sum(p.tie_broken for p in targets),
         # the share of targets the task's solver agrees with: a target comes from one continuation
         # per action, so the worse action can look better once; this says how often it did
         **optimal_share(episodes, targets),

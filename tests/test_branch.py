@@ -120,6 +120,37 @@ def test_branch_returns_and_the_best_branch():
     assert row.tolist() == [0.0, 0.5, 0.5, 0.5]  # shifted: entry j is about token j + 1
 
 
+def test_the_progress_tiebreak_targets_the_branch_that_ended_nearest():
+    """--branch-tiebreak progress: where every branch failed, the branch whose last state the
+    solver puts strictly nearest success is the target; a success always beats it, and ties,
+    lone branches and states with no solution give none."""
+    maze = generate_maze(9, seed=0)
+    path = [maze.start]
+    for action in solve(maze)[:-1]:  # the cells of the shortest path, start to goal
+        task = MazeTask.of(maze)
+        task.restore((0, (path[-1], ())))
+        task.step(task.reply(action))
+        path.append(task.agent)
+
+    def ended_at(cell):
+        task = MazeTask.of(maze)
+        task.restore((0, (cell, ())))
+        return rollout.Episode(task=task, group_id=0, sample_id=0)
+
+    class Stuck:  # a state the solver cannot finish from (a box in a corner)
+        task = type("NoWay", (), {"solve": lambda self: None})()
+
+    near, far = ended_at(path[-3]), ended_at(path[2])
+    assert branch.nearest_branch([far, near]) == 1 and branch.nearest_branch([near, far, Stuck()]) == 0
+    assert branch.nearest_branch([near, ended_at(path[-3])]) is None  # a tie
+    assert branch.nearest_branch([near]) is None and branch.nearest_branch([Stuck(), Stuck()]) is None
+    assert branch.pick_target([0.0, 0.0], [far, near], "progress") == (1, True)
+    assert branch.pick_target([0.0, 0.0], [far, near], "none") == (None, False)  # the recipe: no target
+    assert branch.pick_target([0.0, 0.0], [near, ended_at(path[-3])], "progress") == (None, False)
+    assert branch.pick_target([0.9, 0.0], [far, near], "progress") == (0, False)  # the reward decides
+    assert branch.pick_target([0.9, 0.9], [far, near], "progress") == (None, False)
+
+
 def test_forced_tokens_are_left_out_of_tis_and_the_mismatch():
     """A forced reply's rollout log-prob is NaN ("not sampled"): TIS gives it weight 1 and the
     mismatch meter does not count it, while its gradient is that of the plain loss."""

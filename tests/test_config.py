@@ -104,6 +104,7 @@ def test_help_shows_the_values_a_run_uses(capsys):
 def test_a_bad_value_is_one_bad_config_line():
     for argv, message in ((["--lr", "fast"], "bad config: argument --lr: invalid float value: 'fast'"),
                           (["--group-size", "1"], "bad config: group_size must be >= 2"),
+                          (["--branch-tiebreak", "nearest"], "bad config: branch_tiebreak must be none or progress"),
                           (["--lora-plus-ratio", "16"], "bad config: unrecognized arguments: --lora-plus-ratio 16")):
         proc = subprocess.run([sys.executable, "-c", "import sys, config; "
                                "config.parse_config(sys.argv[1:]).validate(world_size=1)", *argv],
