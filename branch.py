@@ -80,9 +80,10 @@ def best_branch(returns: list[float]) -> int | None:
 def nearest_branch(branches: list) -> int | None:
     """The branch that ended nearest success, where every branch failed: the fewest actions the
     task's solver still needs from its last state (Task.solve; none there: never nearest), if one
-    branch is strictly nearest of two or more. A shaped judgement, not the strict reward: it says a
-    wrong turn into a dead end is worse than a right one that ran out of turns, which the reward
-    cannot, since both score 0."""
+    branch is strictly nearest of two or more. A shaped judgement, not the strict reward: it means
+    to say that a wrong turn into a dead end is worse than a right one that ran out of turns, which
+    the reward cannot (both score 0), and it is only as good as the policy's continuations: a branch
+    that walks back out of the dead end can end nearer than one that wandered off the right way."""
     remaining = []
     for b in branches:
         solution = b.task.solve()
