@@ -97,6 +97,11 @@ CASES = [
     ("a task module that is not there", ["train.py", "--task", "nowhere:Task"], "task 'nowhere:Task' cannot be loaded"),
     ("SFT of a task without a solver", ["sft.py", "--task", "tests.test_task_check:NoSolver", "--difficulty", "short"],
      "the task tests.test_task_check:NoSolver has no solver"),
+    ("a tie broken by progress on a task without a solver",
+     ["train.py", "--model", "{tiny}", "--out-dir", "{root}/tiebreak", "--task", "tests.test_task_check:NoSolver",
+      "--difficulty", "short", "--branch-tiebreak", "progress"],
+     "bad config: branch_tiebreak progress needs the task's solver (env.Task.solve); "
+     "tests.test_task_check:NoSolver has none"),
     ("misspelt boolean", ["train.py", "--progress", "ture"],
      "bad config: argument --progress: Truthy value expected: got ture"),
     ("a flag that is not there", ["train.py", "--progress-reward", "0.1"],
