@@ -17,6 +17,8 @@ Per project file (the repository's own .py files at the top level and in tasks/)
   lines       the source lines of those functions, each one's whole span from its first decorator
               to its last line; the union of the spans, so a nested function inside an entered
               one adds nothing, and an entered function inside one that was not counts its own
+  code        of those lines, the ones that are not docstring, comment or blank (the prose a
+              reader also reads, told apart from the code)
   statements  the distinct (file, line) pairs of the step's 'line' events
 
 and the functions on the path longer than LONG_FUNCTION lines. Each recipe runs in a process of
@@ -27,12 +29,14 @@ replies). The project runs its code on the main thread, which is the thread trac
 
 import argparse
 import ast
+import io
 import json
 import os
 import subprocess
 import sys
 import tempfile
 import time
+import tokenize
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -103,6 +107,25 @@ def function_spans(source: str) -> dict:
     return spans
 
 
+def prose_lines(source: str) -> set:
+    """The line numbers of `source` that hold no code: blank lines, comment lines, and docstrings
+    (the string a module, class or function body opens with). A line with code and a trailing
+    comment is code, and so is every line of a string that is not a docstring."""
+    layout = {tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT,
+              tokenize.ENCODING, tokenize.ENDMARKER}
+    code = set()
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type not in layout:
+            code.update(range(token.start[0], token.end[0] + 1))
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) \
+                    and isinstance(first.value.value, str):
+                code.difference_update(range(first.lineno, first.end_lineno + 1))
+    return set(range(1, len(source.splitlines()) + 1)) - code
+
+
 def summarise(calls: set, lines: set, root: Path) -> dict:
     """A StepTrace's records as the per-file table: {"files": {file: {functions, lines, statements,
     code_objects}}, "total": {...}, "long_functions": [...], "outside": [...]}.
@@ -113,7 +136,8 @@ def summarise(calls: set, lines: set, root: Path) -> dict:
     code object sys.setprofile reports a 'call' for); `outside` lists any that lie in no entered
     def, whose lines the table would otherwise miss unseen."""
     entered, others = {}, {}  # file -> [(first, last, name)]; file -> [(first line, name)]
-    spans_of = {file: function_spans((root / file).read_text()) for file in {file for file, _, _ in calls}}
+    sources = {file: (root / file).read_text() for file in {file for file, _, _ in calls}}
+    spans_of = {file: function_spans(source) for file, source in sources.items()}
     for file, first, name in calls:
         span = spans_of[file].get((first, name))
         if span:
@@ -126,15 +150,16 @@ def summarise(calls: set, lines: set, root: Path) -> dict:
         covered = set()
         for first, last, _ in spans:
             covered.update(range(first, last + 1))
-        files[file] = {"functions": len(spans), "lines": len(covered),
+        prose = prose_lines(sources[file]) if file in sources else set()
+        files[file] = {"functions": len(spans), "lines": len(covered), "code_lines": len(covered - prose),
                        "statements": sum(1 for f, _ in lines if f == file),
                        "code_objects": len(spans) + len(others.get(file, []))}
         long_functions += [{"function": name, "file": file, "line": first, "lines": last - first + 1}
                            for first, last, name in spans if last - first + 1 > LONG_FUNCTION]
         outside += [f"{file}:{first} {name}" for first, name in sorted(others.get(file, []))
                     if name != "<module>" and first not in covered]
-    total = {key: sum(row[key] for row in files.values()) for key in ("functions", "lines", "statements",
-                                                                      "code_objects")}
+    total = {key: sum(row[key] for row in files.values()) for key in ("functions", "lines", "code_lines",
+                                                                      "statements", "code_objects")}
     total["files"] = len(files)
     functions = sorted(({"function": name, "file": file, "line": first, "lines": last - first + 1}
                         for file, spans in entered.items() for first, last, name in spans),
@@ -149,10 +174,11 @@ def table(recipe: str, result: dict) -> str:
     t = result["total"]
     rows = [f"### {recipe}: {t['functions']} functions, {t['lines']} lines, {t['statements']} statements in "
             f"{t['files']} files ({t['code_objects']} code objects entered with comprehensions and lambdas)",
-            "", "| file | functions | lines | statements |", "| --- | --- | --- | --- |"]
+            "", "| file | functions | lines | of them code | statements |", "| --- | --- | --- | --- | --- |"]
     by_lines = sorted(result["files"].items(), key=lambda kv: (-kv[1]["lines"], -kv[1]["statements"], kv[0]))
-    rows += [f"| {f} | {r['functions']} | {r['lines']} | {r['statements']} |" for f, r in by_lines]
-    rows += [f"| **total** | **{t['functions']}** | **{t['lines']}** | **{t['statements']}** |", "",
+    rows += [f"| {f} | {r['functions']} | {r['lines']} | {r['code_lines']} | {r['statements']} |" for f, r in by_lines]
+    rows += [f"| **total** | **{t['functions']}** | **{t['lines']}** | **{t['code_lines']}** | **{t['statements']}** |",
+             "",
              f"over {LONG_FUNCTION} lines: " + (", ".join(f"{f['function']} {f['lines']} ({f['file']}:{f['line']})"
                                                          for f in result["long_functions"]) or "none")]
     if result["outside"]:

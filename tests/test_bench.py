@@ -99,6 +99,7 @@ def never_called():
 READING_TASK = """\
 def make():
     def made(x):
+        # a comment: prose
         y = x * 2
         return y
     return made
@@ -138,16 +139,47 @@ def test_the_reading_path_counter_counts_spans_once_and_statements_once(tmp_path
 
     assert set(res["files"]) == {"top.py", "tasks/task.py"}
     # top.py: outer (lines 5-10, from its first decorator; inner inside it adds nothing); its
-    # statements: def inner, return [...] (the comprehension's line too), inner's return
-    assert res["files"]["top.py"] == {"functions": 2, "lines": 6, "statements": 3, "code_objects": 3}
-    # tasks/task.py: made's own span (2-4) and long_one's (8-70); statements 3-4 and 9-70
-    assert res["files"]["tasks/task.py"] == {"functions": 2, "lines": 3 + 63, "statements": 2 + 62,
-                                            "code_objects": 2}
-    assert res["total"] == {"functions": 4, "lines": 72, "statements": 67, "code_objects": 5, "files": 2}
-    assert res["long_functions"] == [{"function": "long_one", "file": "tasks/task.py", "line": 8, "lines": 63}]
+    # statements: def inner, return [...] (the comprehension's line too), inner's return; every line code
+    assert res["files"]["top.py"] == {"functions": 2, "lines": 6, "code_lines": 6, "statements": 3,
+                                      "code_objects": 3}
+    # tasks/task.py: made's own span (2-5, its comment line 3 prose) and long_one's (9-71);
+    # statements 4-5 and 10-71
+    assert res["files"]["tasks/task.py"] == {"functions": 2, "lines": 4 + 63, "code_lines": 3 + 63,
+                                            "statements": 2 + 62, "code_objects": 2}
+    assert res["total"] == {"functions": 4, "lines": 73, "code_lines": 72, "statements": 67, "code_objects": 5,
+                            "files": 2}
+    assert res["long_functions"] == [{"function": "long_one", "file": "tasks/task.py", "line": 9, "lines": 63}]
     assert res["outside"] == []
-    assert "| **total** | **4** | **72** | **67** |" in rp.table("fake", res)
+    assert "| **total** | **4** | **73** | **72** | **67** |" in rp.table("fake", res)
     assert sys.gettrace() is None or sys.gettrace() is not trace._global  # the tracer is gone after the block
+
+
+PROSE = '''\
+"""A module docstring,
+on two lines."""
+
+
+def f(x):
+    """A one-line docstring."""
+    # a comment line
+    y = x  # code with a trailing comment
+    text = """a string that is no docstring
+# even where a line of it starts like a comment
+"""
+    return y, text
+
+
+class C:
+    """A class docstring."""
+    z = 1
+'''
+
+
+def test_the_reading_path_counter_tells_prose_from_code():
+    """Docstrings (module, class, function), comment lines and blank lines are prose; a line with a
+    trailing comment and every line of a string that is not a docstring are code."""
+    rp = load_reading_path()
+    assert rp.prose_lines(PROSE) == {1, 2, 3, 4, 6, 7, 13, 14, 16}
 
 
 @pytest.mark.parametrize("recipe", ["tiny", "qwen3-vl"])
