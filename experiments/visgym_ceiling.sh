@@ -3,7 +3,7 @@
 # of `TASK=visgym-easy bash launch/run.sh` (1000 steps at 2e-3, then 500 at 1e-3), continued for
 # EXTRA_STEPS more at 1e-3 with a snapshot every 250, each played greedily on VisGym's 64 easy
 # evaluation seeds at 15 turns (strict; 50 of the 64 fit). A curve that keeps rising says the model
-# has room and GRPO's signal is the limit; a flat one says the 2-layer model's capacity binds.
+# has room and GRPO's signal is the limit; a flat one says the model at that depth (LAYERS) binds.
 #
 #   bash experiments/visgym_ceiling.sh                   # into runs/visgym-easy (shared with run.sh)
 #   OUT=runs/vg EXTRA_STEPS=500 bash experiments/visgym_ceiling.sh
