@@ -127,8 +127,8 @@ def prose_lines(source: str) -> set:
 
 
 def summarise(calls: set, lines: set, root: Path) -> dict:
-    """A StepTrace's records as the per-file table: {"files": {file: {functions, lines, statements,
-    code_objects}}, "total": {...}, "long_functions": [...], "outside": [...]}.
+    """A StepTrace's records as the per-file table: {"files": {file: {functions, lines, code_lines,
+    statements, code_objects}}, "total": {...}, "long_functions": [...], "outside": [...]}.
 
     Lambdas, comprehensions and module bodies are not functions a reader looks up: their
     statements count and their spans do not, since a lambda or comprehension lies inside some def
