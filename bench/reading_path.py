@@ -150,8 +150,8 @@ def summarise(calls: set, lines: set, root: Path) -> dict:
         covered = set()
         for first, last, _ in spans:
             covered.update(range(first, last + 1))
-        prose = prose_lines(sources[file]) if file in sources else set()
-        files[file] = {"functions": len(spans), "lines": len(covered), "code_lines": len(covered - prose),
+        files[file] = {"functions": len(spans), "lines": len(covered),
+                       "code_lines": len(covered - prose_lines(sources[file])),
                        "statements": sum(1 for f, _ in lines if f == file),
                        "code_objects": len(spans) + len(others.get(file, []))}
         long_functions += [{"function": name, "file": file, "line": first, "lines": last - first + 1}
