@@ -13,9 +13,11 @@ exactly nothing. Branching makes the comparison on purpose. After a step's group
     2. branches  from that member's exact prefix (its conversation up to the point, token for token,
                  and its task restored to that state: rollout.Episode.prefix, Task.restore), every
                  legal action (Task.legal_actions) is forced as the reply there, and the policy
-                 finishes each branch at the training temperature with the same turn limit.
+                 finishes each branch at the training temperature with the same turn limit
+                 (`branch_continuations` times per action; once in the recipe).
     3. returns   G(a) = gamma^k R: R the strict reward of branch a, k its turns after the point (the
-                 discount of the step-level term, so a detour that still arrives is worth less).
+                 discount of the step-level term, so a detour that still arrives is worth less);
+                 with several continuations, their mean (a Monte Carlo estimate, as VinePPO's).
     4. target    a* = argmax_a G(a), unless the best is tied (every branch failed, say): then none,
                  or, with `branch_tiebreak progress` (off in the recipe: the published reward is
                  strict), where every branch failed the one that ended nearest success by the
@@ -31,8 +33,8 @@ The branches continue with the policy, not a solver, so
 G(a) is noisy where the policy errs later: the right action can lose to a wrong one that the policy
 happens to recover from, and then no target or a wrong one.
 
-Cost: each point plays one episode per legal action (2-4 in the main job), from the point to the end,
-all batched into one play_turns loop; the forced reply is not an engine call. The step reports what
+Cost: each point plays one episode per legal action (2-4 in the main job) and continuation, from
+the point to the end, all batched into one play_turns loop; the forced reply is not an engine call. The step reports what
 it played (branch_* metrics: points, targets, branches, extra engine turns and generated tokens);
 bench/visit_cost.py counts it per visit.
 """
@@ -56,8 +58,8 @@ class BranchPoint:
     parent: int  # index of the episode whose prefix is replayed, among the step's episodes
     turn: int  # the point's turn in that episode: its reply `turn` is the one forced
     actions: list  # the forced actions (Task.legal_actions there), one per branch
-    branches: list  # the played branch episodes, in the order of `actions`
-    returns: list  # G(a) = gamma^k R of each branch
+    branches: list  # the played branch episodes, `branch_continuations` per action, in the order of `actions`
+    returns: list  # G(a) of each action: the mean of its continuations' gamma^k R
     best: int | None  # index into actions of a*; None where the best return is tied
     tie_broken: bool = False  # a* came from the progress tie-break (every branch failed)
 
@@ -164,17 +166,21 @@ def play_branches(cfg, engine, chat: rollout.ChatFormat, episodes: list, points:
         state.restore(parent.turns[t].snapshot)
         actions = state.legal_actions()
         for a, action in enumerate(actions):
-            # a sample id of its own for every (episode, turn, action): its samples are its own
-            branches.append(parent.prefix(t, (parent.sample_id * cfg.max_turns + t) * len(state.actions) + a))
-            forced.append([chat.reply_ids(state, action)])
+            for k in range(cfg.branch_continuations):
+                # a sample id of its own for every (episode, turn, action, continuation): its samples are its own
+                sample_id = ((parent.sample_id * cfg.max_turns + t) * len(state.actions) + a) * cfg.branch_continuations + k
+                branches.append(parent.prefix(t, sample_id))
+                forced.append([chat.reply_ids(state, action)])
         found.append(BranchPoint(i, t, actions, [], [], None))
     rollout.play_turns(engine, chat, branches, forced, rollout.Sampling.of(cfg, seed=cfg.seed + BRANCH_SEED_OFFSET),
                        lora_request=lora_request, desc="branches", progress=progress)
-    played = iter(branches)
+    played, n = iter(branches), cfg.branch_continuations
     for point in found:
-        point.branches = [next(played) for _ in point.actions]
-        point.returns = [branch_return(b.num_turns - point.turn, b.reward, cfg.gamma) for b in point.branches]
-        point.best, point.tie_broken = pick_target(point.returns, point.branches, cfg.branch_tiebreak)
+        point.branches = [next(played) for _ in range(len(point.actions) * n)]
+        returns = [branch_return(b.num_turns - point.turn, b.reward, cfg.gamma) for b in point.branches]
+        point.returns = [sum(returns[a * n:(a + 1) * n]) / n for a in range(len(point.actions))]
+        # the progress tie-break judges each action by its first continuation
+        point.best, point.tie_broken = pick_target(point.returns, point.branches[::n], cfg.branch_tiebreak)
     return found
 
 
@@ -198,7 +204,8 @@ def branch_step(cfg, engine, chat: rollout.ChatFormat, episodes: list, lora_requ
     for p in points:
         if p.best is None:
             continue
-        seq = target_sequence(p.branches[p.best], p.turn, chat, max_images)
+        # every continuation of a* shares its prefix through the forced reply, which is all the row holds
+        seq = target_sequence(p.branches[p.best * cfg.branch_continuations], p.turn, chat, max_images)
         experiences.append(grpo.Experience(seq, target_advantages(seq.response_mask, cfg.branch_weight),
                                              p.parent))
     played = [b for p in points for b in p.branches]

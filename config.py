@@ -118,6 +118,9 @@ class GRPOConfig:
                                               "L = -w log pi_T(a* | s). 0: off", meaningful=True)
     branch_weight: float = setting(8.0, "w, the advantage on a branch target's reply tokens (8: a group's worth)",
                                    meaningful=True)
+    branch_continuations: int = setting(1, "branch rollouts: the policy's continuations of each forced move; "
+                                           "G(a) is their mean return (a Monte Carlo estimate, as VinePPO's)",
+                                        meaningful=True, inactive=True)
     branch_tiebreak: str = setting("none", "where every branch of a point fails: none (no target) | progress (the "
                                            "action whose branch ended nearest success by the task's solver: a "
                                            "shaped signal the strict reward does not give)", meaningful=True,
@@ -242,8 +245,8 @@ class Config(*reversed(SECTIONS)):
         if self.probe_states and self.eval_puzzles < world_size:
             problems.append(f"eval_puzzles ({self.eval_puzzles}) must be at least the number of processes "
                             f"({world_size}) for every rank to probe a state (or probe_states 0)")
-        if self.branch_points_per_group < 0 or self.branch_weight <= 0:
-            problems.append("branch_points_per_group must be >= 0 and branch_weight > 0")
+        if self.branch_points_per_group < 0 or self.branch_weight <= 0 or self.branch_continuations < 1:
+            problems.append("branch_points_per_group must be >= 0, branch_weight > 0 and branch_continuations >= 1")
         if self.branch_tiebreak not in ("none", "progress"):
             problems.append("branch_tiebreak must be none or progress")
         if self.tis_cap < 0 or self.train_pool < 0 or self.sampled_eval_samples < 0 or self.max_new_tokens < 0 \

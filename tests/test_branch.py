@@ -248,6 +248,36 @@ def test_a_branch_replays_its_parents_exact_prefix(engine, warm_start, max_image
         assert target.token_ids[:start] == theirs.token_ids[:start] and len(target.token_ids) == start + len(reply_ids[move])
 
 
+def test_several_continuations_per_move_average_their_returns(engine, warm_start):
+    """--branch-continuations n: each forced move is finished n times, each continuation with
+    samples of its own, and G(a) is the mean of their returns; the target row is a*'s first."""
+    chat = rollout.ChatFormat.for_model(str(warm_start))
+    n = 4
+    cfg = train.Config(max_turns=12, max_new_tokens=8, temperature=1.0, branch_continuations=n)
+    stream, mixed = env.TrainingStream(MazeTask, "small", max_turns=12), 0
+    for _ in range(4):
+        task = stream.next()
+        (parent,) = rollout.play_episodes(engine, chat, [task], [0], rollout.Sampling(1.0, 0, 8, 4096, None),
+                                          samples_per_task=1, progress=False)
+        at_fork, fork = task.clone(), None
+        for t, turn in enumerate(parent.played):
+            at_fork.restore(turn.snapshot)
+            if at_fork.is_decision_point():
+                fork = t
+                break
+        if fork is None:
+            continue
+        (point,) = branch.play_branches(cfg, engine, chat, [parent], [(0, fork)])
+        assert len(point.actions) > 1 and len(point.branches) == n * len(point.actions)
+        for a, move in enumerate(point.actions):
+            played = point.branches[a * n:(a + 1) * n]
+            assert all(b.turns[fork].reply_ids == chat.reply_ids(at_fork, move) for b in played)
+            returns = [branch.branch_return(b.num_turns - fork, b.reward, cfg.gamma) for b in played]
+            assert point.returns[a] == pytest.approx(sum(returns) / n)
+            mixed += len(set(returns)) > 1  # continuations of one move that end differently
+    assert mixed  # the mean was tested where it differs from any one continuation's return
+
+
 # ----------------------------------------------------------------------------- the issue's test
 
 # A confidently wrong fork of the warm start: training maze 12 (seed 1000014) at turn 2 of its
