@@ -105,6 +105,8 @@ def test_a_bad_value_is_one_bad_config_line():
     for argv, message in ((["--lr", "fast"], "bad config: argument --lr: invalid float value: 'fast'"),
                           (["--group-size", "1"], "bad config: group_size must be >= 2"),
                           (["--branch-tiebreak", "nearest"], "bad config: branch_tiebreak must be none or progress"),
+                          (["--branch-continuations", "0"], "bad config: branch_points_per_group must be >= 0, "
+                                                            "branch_weight > 0 and branch_continuations >= 1"),
                           (["--lora-plus-ratio", "16"], "bad config: unrecognized arguments: --lora-plus-ratio 16")):
         proc = subprocess.run([sys.executable, "-c", "import sys, config; "
                                "config.parse_config(sys.argv[1:]).validate(world_size=1)", *argv],
