@@ -34,9 +34,9 @@ G(a) is noisy where the policy errs later: the right action can lose to a wrong 
 happens to recover from, and then no target or a wrong one.
 
 Cost: each point plays one episode per legal action (2-4 in the main job) and continuation, from
-the point to the end, all batched into one play_turns loop; the forced reply is not an engine call. The step reports what
-it played (branch_* metrics: points, targets, branches, extra engine turns and generated tokens);
-bench/visit_cost.py counts it per visit.
+the point to the end, all batched into one play_turns loop; the forced reply is not an engine call.
+The step reports what it played (branch_* metrics: points, targets, branches, extra engine turns
+and generated tokens); bench/visit_cost.py counts it per visit.
 """
 
 import time
@@ -166,10 +166,10 @@ def play_branches(cfg, engine, chat: rollout.ChatFormat, episodes: list, points:
         state.restore(parent.turns[t].snapshot)
         actions = state.legal_actions()
         for a, action in enumerate(actions):
+            first = ((parent.sample_id * cfg.max_turns + t) * len(state.actions) + a) * cfg.branch_continuations
             for k in range(cfg.branch_continuations):
                 # a sample id of its own for every (episode, turn, action, continuation): its samples are its own
-                sample_id = ((parent.sample_id * cfg.max_turns + t) * len(state.actions) + a) * cfg.branch_continuations + k
-                branches.append(parent.prefix(t, sample_id))
+                branches.append(parent.prefix(t, first + k))
                 forced.append([chat.reply_ids(state, action)])
         found.append(BranchPoint(i, t, actions, [], [], None))
     rollout.play_turns(engine, chat, branches, forced, rollout.Sampling.of(cfg, seed=cfg.seed + BRANCH_SEED_OFFSET),
