@@ -21,7 +21,7 @@ exactly nothing. Branching makes the comparison on purpose. After a step's group
     4. target    a* = argmax_a G(a), unless the best is tied (every branch failed, say): then none,
                  or, with `branch_tiebreak progress` (off in the recipe: the published reward is
                  strict), where every branch failed the one that ended nearest success by the
-                 task's solver (nearest_branch).
+                 task's solver (nearest_branch; each action judged by its first continuation).
                  The point's state with a*'s reply is one extra training row whose only trained
                  tokens are that reply, with advantage w (`branch_weight`): target_advantages has
                  the loss, L = -w log pi_T(a* | s), a cross-entropy toward the winning branch.
@@ -33,8 +33,9 @@ The branches continue with the policy, not a solver, so
 G(a) is noisy where the policy errs later: the right action can lose to a wrong one that the policy
 happens to recover from, and then no target or a wrong one.
 
-Cost: each point plays one episode per legal action (2-4 in the main job) and continuation, from
-the point to the end, all batched into one play_turns loop; the forced reply is not an engine call.
+Cost: each point plays `branch_continuations` episodes per legal action (2-4 actions in the main
+job), from the point to the end, all batched into one play_turns loop; the forced reply is not an
+engine call.
 The step reports what it played (branch_* metrics: points, targets, branches, extra engine turns
 and generated tokens); bench/visit_cost.py counts it per visit.
 """
@@ -57,7 +58,7 @@ BRANCH_SEED_OFFSET = 7_919
 class BranchPoint:
     parent: int  # index of the episode whose prefix is replayed, among the step's episodes
     turn: int  # the point's turn in that episode: its reply `turn` is the one forced
-    actions: list  # the forced actions (Task.legal_actions there), one per branch
+    actions: list  # the forced actions (Task.legal_actions there), each finished by `branch_continuations` branches
     branches: list  # the played branch episodes, `branch_continuations` per action, in the order of `actions`
     returns: list  # G(a) of each action: the mean of its continuations' gamma^k R
     best: int | None  # index into actions of a*; None where the best return is tied
@@ -214,8 +215,8 @@ def branch_step(cfg, engine, chat: rollout.ChatFormat, episodes: list, lora_requ
         "branch_points": len(points),
         "branch_targets": len(targets),
         "branch_tiebreak_targets": sum(p.tie_broken for p in targets),
-        # the share of targets the task's solver agrees with: a target comes from one continuation
-        # per action, so the worse action can look better once; this says how often it did
+        # the share of targets the task's solver agrees with: a target comes from a few continuations
+        # per action (branch_continuations), so the worse action can look better; this says how often it did
         **optimal_share(episodes, targets),
         "branch_episodes": len(played),
         # the forced reply is not an engine turn; every later reply of a branch is

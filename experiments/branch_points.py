@@ -64,7 +64,7 @@ def main():
         target = p.actions[p.best] if p.best is not None else "none"
         print(f"point: member {p.parent}, turn {p.turn}, cell {episodes[p.parent].turns[p.turn].key}: "
               f"returns {dict(zip(p.actions, (round(r, 3) for r in p.returns)))}, target {target}")
-        for move, b in zip(p.actions, p.branches):
+        for move, b in zip(p.actions, p.branches[::cfg.branch_continuations]):  # each move's first continuation
             print(f"    {move}: {b.end_reason}, solved {b.solved}, ends at {b.task.agent}, then "
                   f"{[t.reply for t in b.played[p.turn + 1:]]}")
 

@@ -269,12 +269,14 @@ def test_several_continuations_per_move_average_their_returns(engine, warm_start
             continue
         (point,) = branch.play_branches(cfg, engine, chat, [parent], [(0, fork)])
         assert len(point.actions) > 1 and len(point.branches) == n * len(point.actions)
+        assert len({b.sample_id for b in point.branches}) == len(point.branches)
         for a, move in enumerate(point.actions):
             played = point.branches[a * n:(a + 1) * n]
             assert all(b.turns[fork].reply_ids == chat.reply_ids(at_fork, move) for b in played)
             returns = [branch.branch_return(b.num_turns - fork, b.reward, cfg.gamma) for b in played]
             assert point.returns[a] == pytest.approx(sum(returns) / n)
             mixed += len(set(returns)) > 1  # continuations of one move that end differently
+        assert point.best == branch.best_branch(point.returns)  # a* by the means
     assert mixed  # the mean was tested where it differs from any one continuation's return
 
 
