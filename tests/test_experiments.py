@@ -362,3 +362,34 @@ def test_churn_counts_always_never_and_flips_from_the_runs_own_evaluations(tmp_p
     c = churn(run)
     assert (c["always"], c["never"], c["sometimes"], c["flips"], c["counts"]) == (1, 1, 2, [2, 2], [2, 2, 2])
     assert c["count_sd"] == 0.0 and churn(run, from_step=25)["flips"] == [2]
+
+
+def test_point_reach_calls_a_move_winnable_only_if_the_solver_finishes_in_the_turns_left():
+    """experiments/point_reach.py's verdict: at a maze's start with exactly the solver's turns left,
+    only the solver's first move can still win; with one turn fewer, none can."""
+    from experiments.point_reach import winnable_moves
+
+    task = MazeTask("small", seed=1000003, max_turns=15)
+    task.reset()
+    plan, actions = task.solve(), task.legal_actions()
+    assert len(actions) > 1
+    assert winnable_moves(task, actions, len(plan)) == [a == plan[0] for a in actions]
+    assert winnable_moves(task, actions, len(plan) - 1) == [False] * len(actions)
+
+
+@pytest.mark.slow
+def test_point_reach_tallies_the_points_a_step_branches_at(warm_start):
+    """experiments/point_reach.py end to end: every point is counted once, and a point that no move
+    can still win has no winning branch and no target."""
+    import re
+
+    command = [sys.executable, "experiments/point_reach.py", "--model", str(warm_start), "--puzzles", "2",
+               "--group-size", "2"]
+    proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    total = int(re.search(r"(\d+) points, 1 continuation\(s\) a move", proc.stdout)[1])
+    rows = {m[1]: tuple(map(int, m.groups()[1:])) for m in re.finditer(
+        r"^(some|no) move can still win: (\d+) points, (\d+) with a winning branch, (\d+) with a target$",
+        proc.stdout, re.M)}
+    assert set(rows) == {"some", "no"} and rows["some"][0] + rows["no"][0] == total > 0
+    assert rows["no"][1:] == (0, 0) and rows["some"][2] <= rows["some"][1] <= rows["some"][0]
