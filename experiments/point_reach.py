@@ -28,12 +28,14 @@ from experiments.eval_policy import load_policy  # noqa: E402
 
 def winnable_moves(state, actions: list, turns_left: int) -> list[bool]:
     """For each action at `state`: does it win at once, or leave a state the solver still finishes
-    in the turns left after it (the solver's actions end with the one that wins)?"""
+    in the turns left after it (the solver's actions end with the one that wins; None: a state
+    with no way to success, a Sokoban box pushed into a corner)?"""
     verdicts = []
     for action in actions:
         after = state.clone()
         after.step(after.reply(action))
-        verdicts.append(after.solved or (not after.done and len(after.solve()) <= turns_left - 1))
+        solution = None if after.done else after.solve()
+        verdicts.append(after.solved or (solution is not None and len(solution) <= turns_left - 1))
     return verdicts
 
 
