@@ -129,11 +129,21 @@ def target_advantages(response_mask: list[int], weight: float) -> Tensor:
     return grpo.spread_over_replies(response_mask, [weight] * grpo.reply_count(response_mask))
 
 
-def choose_points(episodes: list, per_group: int) -> list[tuple[int, int]]:
+def can_still_win(episode, turn: int) -> bool:
+    """Whether the task's solver still reaches success in the turns left from the state the
+    episode faced at its reply `turn` (some move there can still win)."""
+    state = episode.task.clone()
+    state.restore(episode.turns[turn].snapshot)
+    solution = state.solve()
+    return solution is not None and len(solution) <= state.max_turns - turn
+
+
+def choose_points(episodes: list, per_group: int, winnable_only: bool = False) -> list[tuple[int, int]]:
     """Up to `per_group` (episode index, turn) pairs per group: the decision points its members
     passed and the states where one ended the episode unsolved; those where they disagreed (gave
     different replies there) or where one of them failed first, then by the earliest turn any member
-    reached them; each from the first member to get there."""
+    reached them; each from the first member to get there. With `winnable_only`, only states
+    from which some move can still succeed (can_still_win): no branch of a lost state can give a target."""
     groups = {}
     for i, e in enumerate(episodes):
         groups.setdefault(e.group_id, []).append(i)
@@ -152,6 +162,8 @@ def choose_points(episodes: list, per_group: int) -> list[tuple[int, int]]:
                 visits[0] = min(visits[0], (t, i))
                 visits[1].add(turn.reply)
                 visits[2] |= not e.solved
+        if winnable_only:  # judged at the earliest visit, the one a branch replays
+            states = {key: c for key, c in states.items() if can_still_win(episodes[c[0][1]], c[0][0])}
         ranked = sorted(states.values(), key=lambda c: (not (len(c[1]) > 1 or c[2]), c[0]))
         points += [(i, t) for (t, i), _, _ in ranked[:per_group]]
     return points
@@ -198,7 +210,8 @@ def branch_step(cfg, engine, chat: rollout.ChatFormat, episodes: list, lora_requ
     target, hung on its parent episode's index, so they go to that episode's mini-batch) and the
     step's branch metrics. Called only with branch_points_per_group above 0."""
     start = time.time()
-    points = play_branches(cfg, engine, chat, episodes, choose_points(episodes, cfg.branch_points_per_group),
+    points = play_branches(cfg, engine, chat, episodes,
+                           choose_points(episodes, cfg.branch_points_per_group, cfg.branch_winnable_only),
                            lora_request, progress)
     max_images = cfg.max_images or None
     experiences = []

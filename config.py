@@ -125,6 +125,10 @@ class GRPOConfig:
                                            "action whose branch ended nearest success by the task's solver: a "
                                            "shaped signal the strict reward does not give)", meaningful=True,
                                    inactive=True)
+    branch_winnable_only: bool = setting(False, "branch rollouts: choose points only among states from which the "
+                                                "task's solver still reaches success in the turns left (a lost "
+                                                "state never gives a target); needs the solver", meaningful=True,
+                                         inactive=True)
 
 
 @dataclass

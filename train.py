@@ -159,9 +159,10 @@ def start_run(cfg: Config) -> Run:
     if cfg.branch_points_per_group and not env.features(task_class)["snapshots"]:
         log0(f"the task {cfg.task} takes no snapshots (env.Task.state): this run has no branch rollouts")
         cfg.branch_points_per_group = 0
-    if cfg.branch_tiebreak == "progress" and not env.features(task_class)["solver"]:
-        raise SystemExit(f"bad config: branch_tiebreak progress needs the task's solver (env.Task.solve); "
-                         f"{cfg.task} has none")
+    needs_solver = [name for name, on in (("branch_tiebreak progress", cfg.branch_tiebreak == "progress"),
+                                          ("branch_winnable_only", cfg.branch_winnable_only)) if on]
+    if needs_solver and not env.features(task_class)["solver"]:
+        raise SystemExit(f"bad config: {needs_solver[0]} needs the task's solver (env.Task.solve); {cfg.task} has none")
     base = checkpoint.base_model_record(model_path)
     out, shared = Path(cfg.out_dir), Path(cfg.shared_dir or Path(cfg.out_dir) / "shared")
     # the run lock, the checkpoint to resume from, and no fresh start over another run's files

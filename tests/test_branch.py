@@ -106,6 +106,33 @@ def test_points_prefer_forks_where_the_group_disagreed_or_failed():
     assert branch.choose_points(group + other, 1) == [(0, 0), (2, 0)]
 
 
+def test_winnable_only_points_skip_states_the_solver_cannot_finish_in_the_turns_left():
+    """--branch-winnable-only: a fork is a point only if the solver's way from it (the stop
+    included) fits in the turns left at the earliest visit; exactly at the bound it still does."""
+    def solution_length(maze, cell):
+        task = MazeTask.of(maze)
+        task.restore((0, (cell, ())))
+        return len(task.solve())
+
+    maze = generate_maze(9, seed=next(s for s in range(100) if len(fork_cells(generate_maze(9, seed=s))) >= 2))
+    a, b = sorted(fork_cells(maze), key=lambda cell: solution_length(maze, cell))[:2]  # b no nearer than a
+    episode = fake_episode(maze, 7, [a, b], ["x", "y"], False)
+    episode.task.max_turns = solution_length(maze, a)  # a (turn 0) just fits; b (turn 1) needs one turn more
+    assert branch.choose_points([episode], 2) == [(0, 0), (0, 1)]
+    assert branch.choose_points([episode], 2, winnable_only=True) == [(0, 0)]
+    episode.task.max_turns -= 1  # one turn fewer: neither can be won
+    assert branch.choose_points([episode], 2, winnable_only=True) == []
+    # b judged at its earliest visit: a second member reaches it at turn 0, where it fits
+    other = fake_episode(maze, 7, [b], ["y"], False)
+    other.task.max_turns = solution_length(maze, b)
+    assert branch.choose_points([episode, other], 2, winnable_only=True) == [(1, 0)]
+
+
+def fork_cells(maze):
+    return [(r, c) for r in range(maze.size) for c in range(maze.size) if maze.is_open((r, c))
+            and is_fork(maze, (r, c)) and (r, c) not in (maze.start, maze.goal)]
+
+
 # ----------------------------------------------------------------------------- the estimator's pieces
 
 def test_branch_returns_and_the_best_branch():
