@@ -102,6 +102,11 @@ CASES = [
       "--difficulty", "short", "--branch-tiebreak", "progress"],
      "bad config: branch_tiebreak progress needs the task's solver (env.Task.solve); "
      "tests.test_task_check:NoSolver has none"),
+    ("winnable-only branch points on a task without a solver",
+     ["train.py", "--model", "{tiny}", "--out-dir", "{root}/winnable", "--task", "tests.test_task_check:NoSolver",
+      "--difficulty", "short", "--branch-winnable-only", "true"],
+     "bad config: branch_winnable_only needs the task's solver (env.Task.solve); "
+     "tests.test_task_check:NoSolver has none"),
     ("misspelt boolean", ["train.py", "--progress", "ture"],
      "bad config: argument --progress: Truthy value expected: got ture"),
     ("a flag that is not there", ["train.py", "--progress-reward", "0.1"],
