@@ -10,6 +10,8 @@ exactly nothing. Branching makes the comparison on purpose. After a step's group
                  choice that matters (Task.is_decision_point), or where a member ended the episode
                  unsolved (a premature stop). Those where the group disagreed or failed come first,
                  then the earlier ones. Each is taken from the member that reached it first.
+                 With `branch_winnable_only` (off in the recipe), only states from which the
+                 task's solver still reaches success in the turns left: a lost state has no target.
     2. branches  from that member's exact prefix (its conversation up to the point, token for token,
                  and its task restored to that state: rollout.Episode.prefix, Task.restore), every
                  legal action (Task.legal_actions) is forced as the reply there, and the policy

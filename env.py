@@ -28,8 +28,10 @@ Which trainer feature needs which method (`features` says what a task class has)
     legal_actions             branch rollouts: the replies forced at a fork   every action in `actions`
     is_decision_point         branch rollouts: which states are forks         more than one legal action
     solve                     SFT demonstrations (sft.py), whether a held-    no SFT; "fits the turn limit"
-                              out puzzle fits the turn limit, the share of    and the optimal share unknown
-                              branch targets that are optimal
+                              out puzzle fits the turn limit, the share of    and the optimal share unknown;
+                              branch targets that are optimal; two branch     those options refused
+                              options, off in the recipe (--branch-tiebreak
+                              progress, --branch-winnable-only)
     held_out_key              keeping training puzzles off the held-out ones  the seed (seeds never collide)
 
 Synchronous and plain: a task is a Python object whose state is plain data. `state_key` is what
