@@ -77,13 +77,15 @@ def is_fork(maze, cell):
     return task.is_decision_point()
 
 
-def test_points_prefer_forks_where_the_group_disagreed_or_failed():
-    def forks_of(maze):
-        return [(r, c) for r in range(9) for c in range(9) if maze.is_open((r, c)) and is_fork(maze, (r, c))
-                and (r, c) not in (maze.start, maze.goal)]
+def fork_cells(maze):
+    """The maze's forks, other than its start and goal."""
+    return [(r, c) for r in range(maze.size) for c in range(maze.size) if maze.is_open((r, c))
+            and is_fork(maze, (r, c)) and (r, c) not in (maze.start, maze.goal)]
 
-    maze = next(m for m in (generate_maze(9, seed=s) for s in range(100)) if len(forks_of(m)) >= 3)
-    forks = forks_of(maze)
+
+def test_points_prefer_forks_where_the_group_disagreed_or_failed():
+    maze = next(m for m in (generate_maze(9, seed=s) for s in range(100)) if len(fork_cells(m)) >= 3)
+    forks = fork_cells(maze)
     a, b, c = forks[:3]
     # both members solve; they agree at a (turn 0) and b (turn 1), disagree at c (turn 2)
     group = [fake_episode(maze, 7, [a, b, c], ["x", "y", "z"], True),
@@ -126,11 +128,6 @@ def test_winnable_only_points_skip_states_the_solver_cannot_finish_in_the_turns_
     other = fake_episode(maze, 7, [b], ["y"], False)
     other.task.max_turns = solution_length(maze, b)
     assert branch.choose_points([episode, other], 2, winnable_only=True) == [(1, 0)]
-
-
-def fork_cells(maze):
-    return [(r, c) for r in range(maze.size) for c in range(maze.size) if maze.is_open((r, c))
-            and is_fork(maze, (r, c)) and (r, c) not in (maze.start, maze.goal)]
 
 
 # ----------------------------------------------------------------------------- the estimator's pieces
